@@ -1,0 +1,58 @@
+"""Run train.py under torchrun as a user would, and read back what it logged."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A small, fast job: the debug model on short sequences, exact fp32, every step logged.
+TINY_JOB = [
+    "--job.config_file",
+    str(ROOT / "train_configs" / "debug_model.toml"),
+    "--training.seq_len",
+    "64",
+    "--training.steps",
+    "10",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--checkpoint.enable_checkpoint",
+    "false",
+    "--training.mixed_precision_param",
+    "float32",
+    "--training.mixed_precision_reduce",
+    "float32",
+]
+
+
+def run_train(nproc: int, dump_folder: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        "localhost:0",
+        str(ROOT / "train.py"),
+        *TINY_JOB,
+        "--job.dump_folder",
+        str(dump_folder),
+        *args,
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+
+
+def read_metrics(dump_folder: Path) -> list[dict]:
+    with open(dump_folder / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def losses(dump_folder: Path) -> dict[int, float]:
+    return {m["step"]: m["loss"] for m in read_metrics(dump_folder)}

@@ -1,0 +1,109 @@
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from torchtitan.config_manager import ConfigError, JobConfig, parse_args
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write_toml(tmp_path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_without_file():
+    config = parse_args([])
+    assert config.training.steps == JobConfig().training.steps
+    assert config.parallelism.data_parallel_shard_degree == -1
+
+
+def test_precedence_cli_over_toml_over_default(tmp_path):
+    path = write_toml(tmp_path, "[training]\nsteps = 7\nbatch_size = 3\n[optimizer]\nlr = 1e-2\n")
+    config = parse_args(["--job.config_file", path, "--training.steps", "11", "--optimizer.lr=2e-3"])
+    assert config.training.steps == 11  # CLI
+    assert config.training.batch_size == 3  # TOML
+    assert config.optimizer.lr == 2e-3  # CLI, = form
+    assert config.training.seq_len == JobConfig().training.seq_len  # default
+    assert config.job.config_file == path
+
+
+def test_types_are_parsed_from_cli():
+    config = parse_args(
+        [
+            "--training.deterministic",
+            "true",
+            "--lr_scheduler.decay_ratio",
+            "0.25",
+            "--training.dataset_path",
+            "/data/x.jsonl",
+            "--metrics.enable_color_printing=false",
+        ]
+    )
+    assert config.training.deterministic is True
+    assert config.lr_scheduler.decay_ratio == 0.25
+    assert config.training.dataset_path == "/data/x.jsonl"
+    assert config.metrics.enable_color_printing is False
+
+
+def test_int_accepted_for_float_in_toml(tmp_path):
+    config = parse_args(["--job.config_file", write_toml(tmp_path, "[optimizer]\nlr = 1\n")])
+    assert config.optimizer.lr == 1.0 and isinstance(config.optimizer.lr, float)
+
+
+@pytest.mark.parametrize(
+    "toml, argv, message",
+    [
+        ("[trainig]\nsteps = 1\n", [], "unknown TOML section [trainig]; did you mean 'training'?"),
+        ("[training]\nstep = 1\n", [], "unknown option 'step' in [training]; did you mean 'steps'?"),
+        ("[training]\nsteps = '10'\n", [], "training.steps: expected int, got str '10'"),
+        ("[training]\nsteps = 1.5\n", [], "training.steps: expected int, got float 1.5"),
+        ("[training]\ndeterministic = 1\n", [], "training.deterministic: expected bool, got int 1"),
+        ("[training]\nbatch_size = 0\n", [], "training.batch_size: 0 is below the minimum 1"),
+        ("[model]\nname = 'gpt2'\n", [], "model.name: 'gpt2' is not one of llama2, llama3"),
+        ("[training\nsteps = 1\n", [], "is not valid TOML"),
+        ("training = 3\n", [], "[training] must be a table"),
+        ("", ["--training.stepz", "3"], "unknown option --training.stepz; did you mean 'training.steps'?"),
+        ("", ["--training.steps", "ten"], "--training.steps: expected int, got 'ten'"),
+        ("", ["--training.seq_len=-4"], "--training.seq_len: -4 is below the minimum 1"),
+        ("", ["--training.deterministic", "maybe"], "expected true or false"),
+        ("", ["--training.steps"], "expected one argument"),
+        ("", ["positional"], "unrecognized arguments: positional"),
+    ],
+)
+def test_bad_config_is_a_precise_error(tmp_path, toml, argv, message):
+    argv = ["--job.config_file", write_toml(tmp_path, toml), *argv]
+    with pytest.raises(ConfigError) as err:
+        parse_args(argv)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="job.config_file: no such file"):
+        parse_args(["--job.config_file", str(tmp_path / "nope.toml")])
+
+
+def test_help_lists_every_option_with_type_and_default():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    config = JobConfig()
+    for section in fields(config):
+        for option in fields(section.type):
+            assert f"--{section.name}.{option.name}" in text
+            assert f"default: {option.default!r}" in text
+    assert "(int, default: 10000)" in text
+
+
+def test_every_recipe_parses():
+    recipes = sorted((ROOT / "train_configs").glob("*.toml"))
+    assert recipes
+    for recipe in recipes:
+        parse_args(["--job.config_file", str(recipe)])

@@ -1,0 +1,54 @@
+"""End-to-end runs of train.py under torchrun."""
+
+import shutil
+
+from launch import losses, read_metrics, run_train
+
+
+def check(result):
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_fsdp2_matches_single_process(tmp_path):
+    """FSDP over 2 ranks with batch 2 each trains exactly like 1 process with batch 4."""
+    check(run_train(1, tmp_path / "one", "--training.batch_size", "4"))
+    check(run_train(2, tmp_path / "fsdp", "--training.batch_size", "2"))
+    single, fsdp = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "fsdp")
+    assert [m["step"] for m in single] == list(range(1, 11))
+    assert single[0]["loss"] == fsdp[0]["loss"] or abs(single[0]["loss"] - fsdp[0]["loss"]) < 1e-6
+    for a, b in zip(single, fsdp, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-5, (a, b)
+    assert single[-1]["loss"] < single[0]["loss"] - 0.5
+
+
+def test_resume_continues_from_latest_checkpoint(tmp_path):
+    args = [
+        "--training.batch_size",
+        "2",
+        "--checkpoint.enable_checkpoint",
+        "true",
+        "--checkpoint.interval",
+        "4",
+    ]
+    check(run_train(1, tmp_path, *args))
+    ckpt = tmp_path / "checkpoint"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-10", "step-4", "step-8"]
+    straight = losses(tmp_path)
+
+    shutil.rmtree(ckpt / "step-10")
+    shutil.rmtree(ckpt / "step-8")
+    (tmp_path / "metrics.jsonl").unlink()
+    result = run_train(1, tmp_path, *args)
+    check(result)
+    assert "Resumed from step 4" in result.stdout
+    resumed = losses(tmp_path)
+    assert min(resumed) == 5
+    for step, loss in resumed.items():
+        assert loss == straight[step], (step, loss, straight[step])
+
+
+def test_bad_config_exits_with_one_line(tmp_path):
+    result = run_train(1, tmp_path, "--training.batch_sise", "2")
+    assert result.returncode != 0
+    assert "error: unknown option --training.batch_sise; did you mean 'training.batch_size'?" in result.stderr

@@ -1,0 +1,302 @@
+"""Job configuration: every option is declared once, below, and that declaration drives the TOML
+parser, the command-line overrides, `--help` and validation.
+
+Precedence: command line > TOML file (`--job.config_file`) > declared default.
+"""
+
+import argparse
+import difflib
+import os
+import sys
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any, Union
+
+try:
+    import tomllib
+except ImportError:  # Python < 3.11
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A bad option, file or value; the message names the option and the fix."""
+
+
+def opt(default: Any, help: str, choices: tuple | None = None, min: float | None = None) -> Any:
+    """Declare one option: its default, help text and the values it accepts."""
+    return field(default=default, metadata={"help": help, "choices": choices, "min": min})
+
+
+@dataclass
+class Job:
+    config_file: str | None = opt(None, "TOML job file to read before the command-line overrides")
+    dump_folder: str = opt("./outputs", "Folder for checkpoints, metrics.jsonl, traces and logs")
+    description: str = opt("default job", "Free text describing the job, printed at start")
+    print_args: bool = opt(False, "Print the resolved configuration at start")
+
+
+@dataclass
+class Model:
+    name: str = opt("llama3", "Model family", choices=("llama2", "llama3"))
+    flavor: str = opt("debugmodel", "Model size within the family, e.g. debugmodel, 8B, 70B, 405B")
+    tokenizer_path: str = opt(
+        "assets/tokenizer/kjv_bpe.tiktoken",
+        "tiktoken BPE file (the bundled one, or Llama 3's tokenizer.model); relative paths are "
+        "resolved from the current folder, then from the repository root",
+    )
+
+
+@dataclass
+class Optimizer:
+    name: str = opt("AdamW", "Optimizer", choices=("AdamW", "Adam"))
+    lr: float = opt(8e-4, "Peak learning rate", min=0.0)
+    beta1: float = opt(0.9, "Adam beta1", min=0.0)
+    beta2: float = opt(0.95, "Adam beta2", min=0.0)
+    eps: float = opt(1e-8, "Adam epsilon", min=0.0)
+    weight_decay: float = opt(0.1, "Decoupled weight decay", min=0.0)
+    implementation: str = opt(
+        "foreach",
+        "Kernel: for-loop, foreach (multi-tensor) or fused",
+        choices=("for-loop", "foreach", "fused"),
+    )
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = opt(200, "Steps of linear warmup from near 0 to optimizer.lr", min=0)
+    decay_ratio: float | None = opt(
+        None,
+        "Fraction of the steps spent decaying at the end (WSD); unset: decay right after warmup",
+        min=0.0,
+    )
+    decay_type: str = opt("linear", "Shape of the decay", choices=("linear", "sqrt", "cosine"))
+    lr_min: float = opt(0.0, "Final learning rate as a fraction of optimizer.lr", min=0.0)
+
+
+@dataclass
+class Training:
+    dataset: str = opt("kjv", "Named dataset: kjv (bundled), c4 (streamed from the Hugging Face hub)")
+    dataset_path: str | None = opt(
+        None, "Local file or folder (txt/json/jsonl/parquet) overriding the dataset"
+    )
+    batch_size: int = opt(8, "Per-rank batch size (sequences)", min=1)
+    seq_len: int = opt(2048, "Sequence length (tokens)", min=1)
+    max_norm: float = opt(1.0, "Clip gradients to this global L2 norm; 0 disables clipping", min=0.0)
+    steps: int = opt(10000, "Number of optimizer steps to train for", min=1)
+    seed: int = opt(0, "Seed for weight init, data-free RNG and dropout-free determinism", min=0)
+    deterministic: bool = opt(False, "Use deterministic algorithms (slower, bitwise repeatable)")
+    gc_freq: int = opt(50, "Run Python's garbage collector every N steps (automatic GC is disabled)", min=1)
+    mixed_precision_param: str = opt(
+        "bfloat16",
+        "Dtype of parameters in forward/backward (FSDP) or autocast",
+        choices=("bfloat16", "float32"),
+    )
+    mixed_precision_reduce: str = opt(
+        "float32", "Dtype of gradient reduction across data-parallel ranks", choices=("bfloat16", "float32")
+    )
+
+
+@dataclass
+class Parallelism:
+    data_parallel_shard_degree: int = opt(
+        -1, "FSDP degree; -1 uses all ranks left by the other degrees", min=-1
+    )
+
+
+@dataclass
+class Checkpoint:
+    enable_checkpoint: bool = opt(False, "Save checkpoints and resume from the latest one")
+    folder: str = opt("checkpoint", "Checkpoint folder, inside job.dump_folder")
+    interval: int = opt(500, "Save every N steps (and at the last step)", min=1)
+
+
+@dataclass
+class Metrics:
+    log_freq: int = opt(10, "Log every N steps (and the first and last)", min=1)
+    enable_wandb: bool = opt(False, "Also log to Weights & Biases (WANDB_MODE=offline works without network)")
+    enable_color_printing: bool | None = opt(None, "Colour the log; unset: colour only on a terminal")
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = opt(300, "Timeout for process-group setup and the first step", min=1)
+    train_timeout_seconds: int = opt(100, "Timeout of collectives after the first step", min=1)
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    comm: Comm = field(default_factory=Comm)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {
+            s.name: {o.name: getattr(getattr(self, s.name), o.name) for o in fields(s.type)}
+            for s in fields(self)
+        }
+
+
+def _sections() -> dict[str, type]:
+    return {s.name: s.type for s in fields(JobConfig)}
+
+
+def _base_type(tp: Any) -> tuple[type, bool]:
+    """(the concrete type, whether None is allowed) for `int`, `str | None` and the like."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+def _type_name(tp: Any) -> str:
+    base, optional = _base_type(tp)
+    return base.__name__ + (" (optional)" if optional else "")
+
+
+def _closest(name: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(name, candidates, n=1)
+    return f"; did you mean '{match[0]}'?" if match else f"; valid: {', '.join(candidates)}"
+
+
+def _check_value(key: str, value: Any, tp: Any, meta: dict) -> Any:
+    """Check a TOML value (already typed) against the declaration; ints are accepted for floats."""
+    base, optional = _base_type(tp)
+    if value is None and optional:
+        return None
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, base) or (base is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    if meta["choices"] is not None and value not in meta["choices"]:
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, meta['choices']))}")
+    if meta["min"] is not None and value < meta["min"]:
+        raise ConfigError(f"{key}: {value!r} is below the minimum {meta['min']}")
+    return value
+
+
+def _parse_cli_value(key: str, text: str, tp: Any) -> Any:
+    base, optional = _base_type(tp)
+    if optional and text.lower() in ("none", "null", ""):
+        return None
+    if base is bool:
+        if text.lower() in ("true", "1", "yes"):
+            return True
+        if text.lower() in ("false", "0", "no"):
+            return False
+        raise ConfigError(f"--{key}: expected true or false, got {text!r}")
+    try:
+        return base(text)
+    except ValueError:
+        raise ConfigError(f"--{key}: expected {base.__name__}, got {text!r}") from None
+
+
+def _option_table() -> dict[str, tuple[str, str, Any, dict]]:
+    """'section.key' -> (section, key, type, metadata) for every declared option."""
+    hints = {name: typing.get_type_hints(cls) for name, cls in _sections().items()}
+    return {
+        f"{sec}.{f.name}": (sec, f.name, hints[sec][f.name], f.metadata)
+        for sec, cls in _sections().items()
+        for f in fields(cls)
+    }
+
+
+def _build_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="train.py",
+        usage="train.py [--job.config_file FILE] [--section.key VALUE | --section.key=VALUE ...]",
+        description="Pre-train a Llama model. Options come from the TOML file given by --job.config_file, "
+        "overridden by any --section.key VALUE given here.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    table = _option_table()
+    for sec, cls in _sections().items():
+        group = parser.add_argument_group(f"[{sec}]")
+        for f in fields(cls):
+            _, _, tp, meta = table[f"{sec}.{f.name}"]
+            extra = f"; one of {', '.join(map(str, meta['choices']))}" if meta["choices"] else ""
+            group.add_argument(
+                f"--{sec}.{f.name}",
+                dest=f"{sec}.{f.name}",
+                metavar=_type_name(tp).split()[0].upper(),
+                default=argparse.SUPPRESS,
+                help=f"{meta['help']} ({_type_name(tp)}, default: {f.default!r}{extra})",
+            )
+    return parser
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError(message)
+
+
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    """Build the JobConfig from the command line (and the TOML file it names)."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = _build_arg_parser()
+    if any(a in ("-h", "--help") for a in argv):
+        parser.print_help()
+        raise SystemExit(0)
+    parser.__class__ = _Parser
+    table = _option_table()
+    for arg in argv:
+        if arg.startswith("--") and arg[2:].split("=", 1)[0] not in table:
+            name = arg[2:].split("=", 1)[0]
+            raise ConfigError(f"unknown option --{name}{_closest(name, list(table))}")
+    overrides = vars(parser.parse_args(argv))
+    config_file = overrides.pop("job.config_file", None)
+    toml_data = load_toml(config_file) if config_file else {}
+    config = from_dict(toml_data)
+    config.job.config_file = config_file
+    for key, text in overrides.items():
+        sec, name, tp, meta = table[key]
+        value = _check_value(f"--{key}", _parse_cli_value(key, text, tp), tp, meta)
+        setattr(getattr(config, sec), name, value)
+    return config
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"job.config_file: no such file {path!r}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"job.config_file: {path} is not valid TOML: {e}") from None
+
+
+def from_dict(data: dict[str, Any]) -> JobConfig:
+    """A JobConfig from a TOML-shaped dict; unknown sections or keys and wrong types are errors."""
+    config = JobConfig()
+    table = _option_table()
+    sections = _sections()
+    for sec, values in data.items():
+        if sec not in sections:
+            raise ConfigError(f"unknown TOML section [{sec}]{_closest(sec, list(sections))}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{sec}] must be a table, got {type(values).__name__}")
+        for name, value in values.items():
+            key = f"{sec}.{name}"
+            if key not in table:
+                keys = [k.split(".", 1)[1] for k in table if k.startswith(sec + ".")]
+                raise ConfigError(f"unknown option '{name}' in [{sec}]{_closest(name, keys)}")
+            _, _, tp, meta = table[key]
+            setattr(getattr(config, sec), name, _check_value(key, value, tp, meta))
+    return config
+
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def resolve_path(path: str) -> str:
+    """`path` as given if it exists, else relative to the repository root (for the bundled assets)."""
+    if os.path.isabs(path) or os.path.exists(path):
+        return path
+    return os.path.join(REPO_ROOT, path)

@@ -1,0 +1,162 @@
+"""What the trainer reports: a log line per logged step, metrics.jsonl, and W&B when enabled."""
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchtitan.logging import logger
+
+# Dense bf16 peak FLOP/s (no sparsity) by device name fragment; fp32 peaks are not listed because
+# training runs matmuls in bf16 (or TF32, whose peak is another figure): MFU is reported as n/a there.
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100 SXM": 989e12,
+    "H100 80GB HBM3": 989e12,
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "A100": 312e12,
+    "B200": 2250e12,
+    "MI300X": 1307e12,
+    "MI325X": 1307e12,
+    "L40S": 362e12,
+}
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The device's peak dense FLOP/s for `dtype`, or None when it is not known (never a guess)."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return None
+    name = torch.cuda.get_device_name(device)
+    for fragment, flops in PEAK_BF16_FLOPS.items():
+        if fragment in name:
+            return flops
+    return None
+
+
+def flops_per_token(num_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
+    """Training FLOPs per token: 6 per parameter (forward + backward) plus attention scores and
+    weighted sum, 12 * layers * heads * head_dim * seq_len, not discounted for the causal mask (the
+    convention of the PaLM paper, so MFU figures compare with published ones)."""
+    return 6 * num_params + 12 * n_layers * n_heads * head_dim * seq_len
+
+
+class _Colors:
+    def __init__(self, enabled: bool) -> None:
+        codes = {"cyan": 36, "green": 32, "yellow": 33, "blue": 34, "magenta": 35, "gray": 90, "red": 31}
+        for name, code in codes.items():
+            setattr(self, name, f"\033[{code}m" if enabled else "")
+        self.reset = "\033[0m" if enabled else ""
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int
+    elapsed: float
+
+
+class MetricLogger:
+    """Turns per-step figures into rates and writes them to the log, metrics.jsonl and W&B.
+
+    Only the rank that logs (rank 0) writes files."""
+
+    def __init__(
+        self,
+        dump_folder: str,
+        total_steps: int,
+        flops_per_token: int,
+        peak_flops: float | None,
+        device: torch.device,
+        enable_wandb: bool,
+        color: bool | None,
+        is_logging_rank: bool,
+        config: dict[str, Any],
+    ) -> None:
+        self.total_steps = total_steps
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.device = device
+        self.is_logging_rank = is_logging_rank
+        self.c = _Colors(sys.stdout.isatty() if color is None else color)
+        self.jsonl = None
+        self.wandb = None
+        if is_logging_rank:
+            os.makedirs(dump_folder, exist_ok=True)
+            self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "a")
+            if enable_wandb:
+                import wandb
+
+                self.wandb = wandb.init(dir=dump_folder, config=config)
+
+    def memory(self) -> tuple[float, float]:
+        """(peak GiB, % of device): on CUDA the peak reserved since the last call, on CPU the
+        process's peak resident memory."""
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_reserved(self.device)
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return peak / 2**30, 100 * peak / total
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return peak / 2**30, 100 * peak / total
+
+    def log(self, m: StepMetrics, steps_in_window: int, step_time: float, data_time: float) -> None:
+        tps = m.tokens / step_time if step_time > 0 else 0.0
+        mfu = 100 * tps * self.flops_per_token / self.peak_flops if self.peak_flops else None
+        mem_gib, mem_pct = self.memory()
+        eta = (self.total_steps - m.step) * step_time / max(steps_in_window, 1)
+        record = {
+            "step": m.step,
+            "loss": m.loss,
+            "grad_norm": m.grad_norm,
+            "lr": m.lr,
+            "tps": tps,
+            "mfu": mfu,
+            "memory_gib": mem_gib,
+            "memory_pct": mem_pct,
+            "step_time": step_time / max(steps_in_window, 1),
+            "data_time_pct": 100 * data_time / step_time if step_time > 0 else 0.0,
+            "elapsed": m.elapsed,
+            "time": time.time(),
+        }
+        if not self.is_logging_rank:
+            return
+        c = self.c
+        mfu_text = f"{mfu:.2f}%" if mfu is not None else "n/a"
+        logger.info(
+            f"{c.cyan}step: {m.step:>{len(str(self.total_steps))}}/{self.total_steps}  "
+            f"{c.green}loss: {m.loss:7.4f}  "
+            f"{c.yellow}grad_norm: {m.grad_norm:7.4f}  "
+            f"{c.gray}lr: {m.lr:.2e}  "
+            f"{c.blue}tps: {tps:,.0f}  "
+            f"{c.magenta}mfu: {mfu_text}  "
+            f"{c.yellow}memory: {mem_gib:.2f}GiB({mem_pct:.1f}%)  "
+            f"{c.gray}eta: {format_duration(eta)}{c.reset}"
+        )
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=m.step)
+
+    def close(self) -> None:
+        if self.jsonl is not None:
+            self.jsonl.close()
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -1,0 +1,273 @@
+"""Llama 2 / Llama 3 transformer with Meta's parameter names.
+
+Written to be built on the meta device, parallelised (FSDP, TP, PP), materialised with
+`to_empty` and then initialised with `Transformer.init_weights`, which gives the same
+weights for a seed whatever the parallelism (see `torchtitan.models.init`).
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan.models.init import normal_, ones_, seeded_init, trunc_normal_
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None: same as n_heads (no GQA)
+    vocab_size: int = -1  # -1: set from the tokenizer
+    multiple_of: int = 256  # SwiGLU hidden dim is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000
+    use_scaled_rope: bool = False  # Llama 3.1 long-context RoPE frequency scaling
+    max_seq_len: int = 2048
+    # Scale the init std of output projections by layer depth rather than by model depth.
+    depth_init: bool = True
+
+
+def _scale_rope_freqs(freqs: torch.Tensor) -> torch.Tensor:
+    """Llama 3.1 RoPE scaling: slow down low frequencies 8x, keep high ones, blend between."""
+    scale_factor, low_freq_factor, high_freq_factor, old_context_len = 8.0, 1.0, 4.0, 8192
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * freqs / scale_factor + smooth * freqs
+    scaled = torch.where(wavelen > low_freq_wavelen, freqs / scale_factor, blended)
+    return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
+
+
+def precompute_freqs_cis(
+    dim: int, end: int, theta: float = 10000.0, use_scaled: bool = False, device: torch.device | None = None
+) -> torch.Tensor:
+    """Complex64 rotations e^{i * pos * freq} of shape (end, dim // 2) for positions 0..end-1."""
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device)[: dim // 2].float() / dim))
+    if use_scaled:
+        freqs = _scale_rope_freqs(freqs)
+    t = torch.arange(end, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, freqs)
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def apply_rotary_emb(
+    xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate interleaved (even, odd) pairs of q/k features, in float32 for accuracy.
+
+    xq, xk: (bs, seqlen, n_heads, head_dim); freqs_cis: (seqlen, head_dim // 2) complex.
+    """
+    freqs_cis = freqs_cis.view(1, xq.shape[1], 1, xq.shape[-1] // 2)
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Share each kv head with `n_rep` consecutive query heads (GQA)."""
+    if n_rep == 1:
+        return x
+    bs, seqlen, n_kv_heads, head_dim = x.shape
+    return (
+        x[:, :, :, None, :]
+        .expand(bs, seqlen, n_kv_heads, n_rep, head_dim)
+        .reshape(bs, seqlen, n_kv_heads * n_rep, head_dim)
+    )
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in float32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._norm(x.float()).type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        ones_(self.weight)
+
+    def init_weights(self) -> None:
+        self.reset_parameters()
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with GQA and RoPE.
+
+    Head counts are read from the projected tensors, so the module also runs when tensor
+    parallelism shards wq/wk/wv column-wise (each rank then holds a subset of heads).
+    """
+
+    def __init__(self, model_args: ModelArgs):
+        super().__init__()
+        n_kv_heads = model_args.n_kv_heads or model_args.n_heads
+        self.n_rep = model_args.n_heads // n_kv_heads
+        self.head_dim = model_args.dim // model_args.n_heads
+        self.wq = nn.Linear(model_args.dim, model_args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(model_args.dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(model_args.dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(model_args.n_heads * self.head_dim, model_args.dim, bias=False)
+
+    def init_weights(self, init_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            trunc_normal_(linear.weight, std=0.02)
+        trunc_normal_(self.wo.weight, std=init_std)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
+        # Under sequence parallelism x may be sharded on seqlen; the projections are not.
+        bs, seqlen = xq.shape[:2]
+        xq = xq.view(bs, seqlen, -1, self.head_dim)
+        xk = xk.view(bs, seqlen, -1, self.head_dim)
+        xv = xv.view(bs, seqlen, -1, self.head_dim)
+        xq, xk = apply_rotary_emb(xq, xk, freqs_cis[:seqlen])
+
+        keys = repeat_kv(xk, self.n_rep)
+        values = repeat_kv(xv, self.n_rep)
+        # (bs, n_heads, seqlen, head_dim) layout for SDPA.
+        xq, keys, values = (t.transpose(1, 2) for t in (xq, keys, values))
+        output = F.scaled_dot_product_attention(xq, keys, values, is_causal=True)
+        output = output.transpose(1, 2).contiguous().view(bs, seqlen, -1)
+        return self.wo(output)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden_dim: int, multiple_of: int, ffn_dim_multiplier: float | None):
+        super().__init__()
+        hidden_dim = int(2 * hidden_dim / 3)  # keep the parameter count of a 4*dim MLP
+        if ffn_dim_multiplier is not None:
+            hidden_dim = int(ffn_dim_multiplier * hidden_dim)
+        hidden_dim = multiple_of * ((hidden_dim + multiple_of - 1) // multiple_of)
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def init_weights(self, init_std: float) -> None:
+        trunc_normal_(self.w1.weight, std=0.02)
+        for linear in (self.w2, self.w3):
+            trunc_normal_(linear.weight, std=init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attention(norm(x)), then h + feed_forward(norm(h))."""
+
+    def __init__(self, layer_id: int, model_args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(model_args)
+        self.feed_forward = FeedForward(
+            dim=model_args.dim,
+            hidden_dim=4 * model_args.dim,
+            multiple_of=model_args.multiple_of,
+            ffn_dim_multiplier=model_args.ffn_dim_multiplier,
+        )
+        self.attention_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)
+        self.ffn_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)
+        # Smaller init for the projections that write into the residual stream, so its
+        # variance does not grow with depth.
+        depth = layer_id + 1 if model_args.depth_init else model_args.n_layers
+        self.weight_init_std = 0.02 / (2 * depth) ** 0.5
+
+    def init_weights(self) -> None:
+        self.attention_norm.init_weights()
+        self.ffn_norm.init_weights()
+        self.attention.init_weights(self.weight_init_std)
+        self.feed_forward.init_weights(self.weight_init_std)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Llama decoder returning float logits (no loss).
+
+    `layers` is a ModuleDict keyed by layer id, and `tok_embeddings`, `norm` and `output` may
+    be set to None, so a pipeline stage keeps the FQNs of the full model.
+    """
+
+    def __init__(self, model_args: ModelArgs):
+        super().__init__()
+        self.model_args = model_args
+        self.tok_embeddings = nn.Embedding(model_args.vocab_size, model_args.dim)
+        # Not persistent: recomputed by init_weights, so not part of checkpoints.
+        self.register_buffer("freqs_cis", self._precompute_freqs_cis(), persistent=False)
+        self.layers = nn.ModuleDict(
+            {str(layer_id): TransformerBlock(layer_id, model_args) for layer_id in range(model_args.n_layers)}
+        )
+        self.norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)
+        self.output = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
+
+    @classmethod
+    def from_model_args(cls, model_args: ModelArgs) -> "Transformer":
+        return cls(model_args)
+
+    def _precompute_freqs_cis(self, device: torch.device | None = None) -> torch.Tensor:
+        return precompute_freqs_cis(
+            self.model_args.dim // self.model_args.n_heads,
+            self.model_args.max_seq_len,
+            self.model_args.rope_theta,
+            self.model_args.use_scaled_rope,
+            device=device,
+        )
+
+    def init_weights(self, seed: int = 0, buffer_device: torch.device | None = None) -> None:
+        """Initialise every parameter once and recompute `freqs_cis` on `buffer_device`.
+
+        The values depend only on `seed` and each parameter's FQN and shape, so they are the
+        same for any FSDP/TP/PP layout. Call after `to_empty`.
+        """
+        if buffer_device is None:
+            buffer_device = next(self.parameters()).device
+        self.freqs_cis = self._precompute_freqs_cis(buffer_device)
+        with seeded_init(self, seed):
+            if self.tok_embeddings is not None:
+                normal_(self.tok_embeddings.weight)
+            for layer in self.layers.values():
+                layer.init_weights()
+            if self.norm is not None:
+                self.norm.init_weights()
+            if self.output is not None:
+                final_out_std = self.model_args.dim**-0.5
+                cutoff_factor = 3
+                trunc_normal_(
+                    self.output.weight,
+                    std=final_out_std,
+                    a=-cutoff_factor * final_out_std,
+                    b=cutoff_factor * final_out_std,
+                )
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Parameters held by this module (a PP stage counts its own); global sizes for DTensors."""
+        num = sum(p.numel() for p in self.parameters())
+        if exclude_embedding and self.tok_embeddings is not None:
+            num -= self.tok_embeddings.weight.numel()
+        return num
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: (bs, seqlen) ids, or hidden states on a stage without `tok_embeddings`.
+
+        Returns float logits (bs, seqlen, vocab), or hidden states on a stage without `output`.
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h).float() if self.output is not None else h

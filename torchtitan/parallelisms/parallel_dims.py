@@ -1,0 +1,95 @@
+"""The parallel degrees of a job, checked against the world size, and the device mesh they span."""
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from torchtitan.config_manager import ConfigError
+
+
+@dataclass
+class ParallelDims:
+    dp_shard: int
+    world_size: int
+    dp_replicate: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        fixed = {
+            "data_parallel_replicate_degree": self.dp_replicate,
+            "tensor_parallel_degree": self.tp,
+            "pipeline_parallel_degree": self.pp,
+        }
+        for name, degree in fixed.items():
+            if degree < 1:
+                raise ConfigError(f"parallelism.{name}: must be >= 1, got {degree}")
+        others = self.dp_replicate * self.tp * self.pp
+        if self.dp_shard == -1:
+            if self.world_size % others:
+                raise ConfigError(
+                    f"parallelism: the world size {self.world_size} is not divisible by the product of the "
+                    f"other degrees ({others}); change the degrees or the number of processes (NGPU)"
+                )
+            self.dp_shard = self.world_size // others
+        if self.dp_shard < 1:
+            raise ConfigError(
+                f"parallelism.data_parallel_shard_degree: must be >= 1 or -1, got {self.dp_shard}"
+            )
+        if self.dp_shard * others != self.world_size:
+            raise ConfigError(
+                f"parallelism: degrees multiply to {self.dp_shard * others} "
+                f"(replicate {self.dp_replicate} x shard {self.dp_shard} x tp {self.tp} x pp {self.pp}) "
+                f"but the world size is {self.world_size}; set data_parallel_shard_degree = -1 or change NGPU"
+            )
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_replicate * self.dp_shard > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def dp_degree(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """A mesh with one named dimension per enabled degree (outermost pp, innermost tp), plus a
+        flattened "dp" dimension for the data loader and loss averaging."""
+        dims = [
+            (n, d)
+            for n, d in (
+                ("pp", self.pp),
+                ("dp_replicate", self.dp_replicate),
+                ("dp_shard", self.dp_shard),
+                ("tp", self.tp),
+            )
+            if d > 1
+        ]
+        if not dims:
+            dims = [("dp_shard", 1)]
+        mesh = init_device_mesh(device_type, [d for _, d in dims], mesh_dim_names=[n for n, _ in dims])
+        dp_names = [n for n, _ in dims if n.startswith("dp_")]
+        if len(dp_names) == 2:
+            mesh[tuple(dp_names)]._flatten("dp")
+        return mesh
+
+    def dp_mesh_name(self) -> str:
+        """The mesh dimension that spans all data-parallel ranks."""
+        if self.dp_replicate_enabled and self.dp_shard_enabled:
+            return "dp"
+        return "dp_replicate" if self.dp_replicate_enabled else "dp_shard"
