@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan.config_manager import ConfigError, JobConfig, parse_args
+from torchtitan.config_manager import ConfigError, JobConfig, default_of, parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,7 +98,7 @@ def test_help_lists_every_option_with_type_and_default():
     for section in fields(config):
         for option in fields(section.type):
             assert f"--{section.name}.{option.name}" in text
-            assert f"default: {option.default!r}" in text
+            assert f"default: {default_of(option)!r}" in text
     assert "(int, default: 10000)" in text
 
 
@@ -107,3 +107,27 @@ def test_every_recipe_parses():
     assert recipes
     for recipe in recipes:
         parse_args(["--job.config_file", str(recipe)])
+
+
+def test_list_option_from_toml_array_and_comma_separated_cli(tmp_path):
+    key = "--parallelism.pipeline_parallel_split_points"
+    path = write_toml(tmp_path, "[parallelism]\npipeline_parallel_split_points = ['layers.2', 'layers.4']\n")
+    assert parse_args(["--job.config_file", path]).parallelism.pipeline_parallel_split_points == [
+        "layers.2",
+        "layers.4",
+    ]
+    assert parse_args([key, "layers.1, layers.3"]).parallelism.pipeline_parallel_split_points == [
+        "layers.1",
+        "layers.3",
+    ]
+    assert parse_args(["--job.config_file", path, f"{key}="]).parallelism.pipeline_parallel_split_points == []
+    first, second = JobConfig(), JobConfig()
+    first.parallelism.pipeline_parallel_split_points.append("layers.1")
+    assert second.parallelism.pipeline_parallel_split_points == []  # defaults are not shared
+
+
+@pytest.mark.parametrize("value", ["'layers.2'", "[2, 4]"])
+def test_list_option_rejects_wrong_types(tmp_path, value):
+    path = write_toml(tmp_path, f"[parallelism]\npipeline_parallel_split_points = {value}\n")
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_split_points: expected list\[str\]"):
+        parse_args(["--job.config_file", path])

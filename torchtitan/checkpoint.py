@@ -6,24 +6,55 @@ A checkpoint is written to `step-N.tmp` and renamed to `step-N` once complete, s
 import os
 import re
 import shutil
+import threading
+import time
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchtitan.config_manager import ConfigError, JobConfig
 from torchtitan.logging import logger
+from torchtitan.safe_dcp import SafeLoadPlanner, SafeReader
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+# Folders of a save or a deletion cut short; never loaded, removed at start.
+LEFTOVER_DIR = re.compile(r"^step-\d+\.(tmp|old|purging)$")
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def merge_model_parts(model_parts: list[nn.Module]) -> nn.Module:
+    """One module over the pipeline stages a rank holds, with the FQNs of the whole model: the
+    parts' children under their own names, ModuleDicts (the `layers`) merged. DCP's state-dict
+    functions take a single module, and a single one must own all the optimizer's parameters."""
+    if len(model_parts) == 1:
+        return model_parts[0]
+    merged = nn.Module()
+    for part in model_parts:
+        for name, child in part.named_children():
+            if isinstance(child, nn.ModuleDict):
+                if name not in merged._modules:
+                    merged.add_module(name, nn.ModuleDict())
+                merged.get_submodule(name).update(child)
+            elif name in merged._modules:
+                raise ValueError(f"two model parts hold {name!r}")
+            else:
+                merged.add_module(name, child)
+    return merged
 
 
 class ModelState(Stateful):
@@ -38,15 +69,22 @@ class ModelState(Stateful):
 
 
 class OptimizerState(Stateful):
+    """Flattened ('state.<fqn>.exp_avg', 'param_groups.<fqn>.lr'): keyed by parameter FQN only, so
+    pipeline ranks, which hold different parameters, do not collide on 'param_groups.0'."""
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model = model
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=self.options)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=state_dict)
+        set_optimizer_state_dict(
+            self.model, self.optimizer, optim_state_dict=state_dict, options=self.options
+        )
 
 
 class SchedulerState(Stateful):
@@ -77,6 +115,27 @@ class TrainState(Stateful):
         self.step = int(state_dict["step"])
 
 
+class RNGState(Stateful):
+    """This rank's random generators: torch's CPU one and, on CUDA, the current device's.
+
+    Saved under a per-rank key, as ranks may draw different numbers (e.g. dropout on different data)."""
+
+    def __init__(self) -> None:
+        self.key = f"rank_{dist.get_rank() if dist.is_initialized() else 0}"
+
+    def state_dict(self) -> dict[str, Any]:
+        states = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            states["cuda"] = torch.cuda.get_rng_state()
+        return {self.key: states}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        states = state_dict[self.key]
+        torch.set_rng_state(states["cpu"])
+        if "cuda" in states:
+            torch.cuda.set_rng_state(states["cuda"])
+
+
 def list_checkpoints(folder: str) -> list[int]:
     """Steps of the complete checkpoints in `folder`, oldest first."""
     if not os.path.isdir(folder):
@@ -85,67 +144,270 @@ def list_checkpoints(folder: str) -> list[int]:
     return sorted(s for s in steps if os.path.isfile(os.path.join(folder, f"step-{s}", ".metadata")))
 
 
+def saved_entries(path: str) -> dict[str, Any]:
+    """What a DCP checkpoint holds: flattened key ('model.norm.weight', 'train_state.step') -> metadata."""
+    return SafeReader(path).read_metadata().state_dict_metadata
+
+
+def read_model_weights(path: str) -> dict[str, torch.Tensor]:
+    """The whole model's weights in a checkpoint, as plain CPU tensors (read in this one process)."""
+    weights = {
+        key.removeprefix("model."): torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in saved_entries(path).items()
+        if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
+    }
+    if not weights:
+        raise ValueError(f"{path} holds no model weights")
+    dcp.load({"model": weights}, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), no_dist=True)
+    return weights
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a rename in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class CheckpointManager:
+    """Saves everything needed to continue the run exactly, and restores it.
+
+    A checkpoint is written to `step-N.tmp` and renamed to `step-N` once complete (for an async save:
+    once the background write has finished), so a `step-N` folder is always whole and a crash mid-save
+    leaves the previous checkpoints intact. Leftovers of a crash are removed at start."""
+
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | list[nn.Module],
         optimizer: torch.optim.Optimizer,
         lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
         dataloader: Stateful,
         train_state: TrainState,
         job_config: JobConfig,
     ) -> None:
-        cfg = job_config.checkpoint
-        self.enabled = cfg.enable_checkpoint
-        self.interval = cfg.interval
-        self.folder = os.path.join(job_config.job.dump_folder, cfg.folder)
+        if isinstance(model, list):
+            model = merge_model_parts(model)
+        self.cfg = job_config.checkpoint
+        self.enabled = self.cfg.enable_checkpoint
+        self.folder = os.path.join(job_config.job.dump_folder, self.cfg.folder)
         self.states = {
             "model": ModelState(model),
             "optimizer": OptimizerState(model, optimizer),
             "lr_scheduler": SchedulerState(lr_scheduler),
             "dataloader": dataloader,
             "train_state": train_state,
+            "rng": RNGState(),
         }
         self.is_coordinator = not dist.is_initialized() or dist.get_rank() == 0
+        self._pending: tuple[int, Future] | None = None  # an async save not yet committed
+        self._purger: threading.Thread | None = None
+        self._stager: DefaultStager | None = None
+        if self.enabled and self.cfg.async_mode != "disabled":
+            self._setup_async(pinned=self.cfg.async_mode == "async_with_pinned_mem")
 
-    def _barrier(self) -> None:
+    def _setup_async(self, pinned: bool) -> None:
+        """Staging copies the state into CPU memory before `async_save` returns, so the next optimizer
+        step may change the parameters; another process (a thread when there is no process group)
+        writes the copy."""
+        if pinned and not torch.cuda.is_available():
+            logger.warning("checkpoint.async_mode: without CUDA, async_with_pinned_mem is plain async")
+            pinned = False
+        self._process_group = None
+        self._writer = AsyncCheckpointerType.THREAD
         if dist.is_initialized():
-            dist.barrier()
+            # Async DCP coordinates over a CPU (gloo) group, also when training uses NCCL.
+            self._process_group = dist.new_group(backend="gloo")
+            self._writer = AsyncCheckpointerType.PROCESS
+        self._stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=pinned,
+                use_shared_memory=self._writer == AsyncCheckpointerType.PROCESS,
+                use_async_staging=False,
+                use_non_blocking_copy=pinned,
+            )
+        )
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.folder, f"step-{step}")
 
     def load(self) -> int | None:
-        """Load the latest complete checkpoint, if any; returns its step."""
-        if not self.enabled:
-            return None
-        steps = list_checkpoints(self.folder)
-        if not steps:
-            return None
-        path = os.path.join(self.folder, f"step-{steps[-1]}")
-        logger.info(f"Loading checkpoint {path}")
+        """Restore the run from its own checkpoint (checkpoint.load_step, else the latest complete one);
+        without one, take the model weights from checkpoint.initial_load_path if it is set.
+
+        Returns the step of the run's checkpoint, or None when the run starts from step 0."""
+        step = None
+        if self.enabled:
+            self._remove_leftovers()
+            step = self._step_to_load(list_checkpoints(self.folder))
+        if step is not None:
+            parts = [part for part in self.states if part not in self.cfg.exclude_from_loading]
+            self._load(self._path(step), parts)
+            return step
+        if self.cfg.initial_load_path is not None:
+            self._load(self.cfg.initial_load_path, ["model"])
+        return None
+
+    def _remove_leftovers(self) -> None:
+        if not self.is_coordinator or not os.path.isdir(self.folder):
+            return
+        for name in sorted(os.listdir(self.folder)):
+            path = os.path.join(self.folder, name)
+            if LEFTOVER_DIR.match(name):
+                logger.warning(f"Removing {path}: left by a save or deletion that was cut short")
+                shutil.rmtree(path, ignore_errors=True)
+            elif STEP_DIR.match(name) and not os.path.isfile(os.path.join(path, ".metadata")):
+                logger.warning(f"Ignoring {path}: it has no .metadata, so it is incomplete")
+
+    def _step_to_load(self, steps: list[int]) -> int | None:
+        if self.cfg.load_step != -1:
+            if self.cfg.load_step not in steps:
+                raise ConfigError(
+                    f"checkpoint.load_step: there is no complete checkpoint step-{self.cfg.load_step} in "
+                    f"{self.folder}; available steps: {', '.join(map(str, steps)) or 'none'}"
+                )
+            return self.cfg.load_step
+        for step in reversed(steps):
+            if "train_state.step" in saved_entries(self._path(step)):
+                return step
+            logger.info(f"Not resuming from {self._path(step)}: it holds model weights only")
+        return None
+
+    def _load(self, path: str, parts: list[str]) -> None:
+        if not os.path.isfile(os.path.join(path, ".metadata")):
+            raise ConfigError(f"checkpoint.initial_load_path: {path} is not a DCP checkpoint (no .metadata)")
+        saved = saved_entries(path)
+        if "model" in parts:
+            self._check_model_shapes(path, saved)
+        if "rng" in parts:
+            rng = self.states["rng"].state_dict()
+            if not {f"rng.{rank}.{name}" for rank, states in rng.items() for name in states} <= saved.keys():
+                logger.info(f"{path} has no RNG state for this rank and device: keeping the seeded ones")
+                parts.remove("rng")
+        missing = [part for part in parts if not any(key.startswith(part + ".") for key in saved)]
+        if missing:
+            raise ConfigError(
+                f"checkpoint: {path} has no {', '.join(missing)} state (a model_weights_only export?); "
+                "start from it with checkpoint.initial_load_path, or set checkpoint.exclude_from_loading"
+            )
+        logger.info(f"Loading {', '.join(parts)} from {path}")
         try:
-            dcp.load(self.states, checkpoint_id=path)
-        except Exception as e:
+            dcp.load(
+                {part: self.states[part] for part in parts},
+                storage_reader=SafeReader(path),  # runs no code from the files (torchtitan/safe_dcp.py)
+                planner=SafeLoadPlanner(),
+            )
+        except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException
             raise ConfigError(
                 f"checkpoint: cannot load {path} ({str(e).strip().splitlines()[-1]}); it may come from a "
                 "different model or layout: point job.dump_folder elsewhere or move the folder away"
             ) from e
-        return steps[-1]
 
-    def maybe_save(self, step: int, last_step: bool) -> None:
-        if self.enabled and (step % self.interval == 0 or last_step):
-            self.save(step)
+    def _check_model_shapes(self, path: str, saved: dict[str, Any]) -> None:
+        """Compare the parameters of the whole model (pipeline stages hold different ones, so gather
+        them) with the checkpoint's, so that a mismatch is one clear line, the same on every rank."""
+        shapes = {f"model.{fqn}": tuple(t.shape) for fqn, t in self.states["model"].state_dict().items()}
+        if dist.is_initialized():
+            gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+            dist.all_gather_object(gathered, shapes)
+            shapes = {key: shape for rank_shapes in gathered for key, shape in rank_shapes.items()}
+        hint = "was it saved with another model.flavor or tokenizer?"
+        for key, shape in shapes.items():
+            entry = saved.get(key)
+            if not isinstance(entry, TensorStorageMetadata):
+                raise ConfigError(f"checkpoint: {path} has no parameter {key[6:]}; {hint}")
+            if tuple(entry.size) != shape:
+                raise ConfigError(
+                    f"checkpoint: {path} holds {key[6:]} with shape {tuple(entry.size)} but the model's "
+                    f"is {shape}; {hint}"
+                )
+        extra = [key for key in saved if key.startswith("model.") and key not in shapes]
+        if extra:
+            raise ConfigError(f"checkpoint: {path} holds {extra[0][6:]}, which the model lacks; {hint}")
 
-    def save(self, step: int) -> None:
-        final = os.path.join(self.folder, f"step-{step}")
-        tmp = final + ".tmp"
-        if self.is_coordinator:
-            if os.path.exists(final):
-                raise RuntimeError(f"checkpoint {final} already exists; refusing to overwrite it")
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        self._barrier()
-        dcp.save(self.states, checkpoint_id=tmp)
-        self._barrier()
-        if self.is_coordinator:
-            os.rename(tmp, final)
-            logger.info(f"Saved checkpoint {final}")
-        self._barrier()
+    def will_save(self, step: int, last_step: bool, force: bool = False) -> bool:
+        """Whether maybe_save(step, last_step, force) writes a checkpoint."""
+        return self.enabled and (step % self.cfg.interval == 0 or last_step or force)
+
+    def maybe_save(self, step: int, last_step: bool, force: bool = False) -> None:
+        """Save every checkpoint.interval steps, at the last step and when `force`d (a preemption: the
+        full state, to resume from); commit a finished async save."""
+        if not self.enabled:
+            return
+        if self._pending is not None and self._pending[1].done():
+            self.wait()
+        if self.will_save(step, last_step, force):
+            self.save(step, last_step)
+
+    def save(self, step: int, last_step: bool = False) -> None:
+        """Write `step-N`. The last step's save is synchronous and, with checkpoint.model_weights_only,
+        holds the model weights only, in checkpoint.export_dtype."""
+        self.wait()
+        tmp = self._path(step) + ".tmp"
+        state: dict[str, Any] = self.states
+        if last_step and self.cfg.model_weights_only:
+            dtype = EXPORT_DTYPES[self.cfg.export_dtype]
+            state = {"model": {k: v.to(dtype) for k, v in self.states["model"].state_dict().items()}}
+        if self._stager is None or last_step:
+            dcp.save(state, checkpoint_id=tmp)
+            self._commit(step)
+            return
+        start = time.perf_counter()
+        future = dcp.async_save(
+            state,
+            checkpoint_id=tmp,
+            process_group=self._process_group,
+            async_checkpointer_type=self._writer,
+            async_stager=self._stager,
+        )
+        self._pending = (step, future)
+        staged = time.perf_counter() - start
+        logger.info(f"Staged checkpoint step {step} in {staged:.2f}s; writing it in the background")
+
+    def wait(self) -> None:
+        """Wait for the async save in flight, if any, and commit it."""
+        if self._pending is not None:
+            step, future = self._pending
+            self._pending = None
+            future.result()
+            self._commit(step)
+
+    def _commit(self, step: int) -> None:
+        """Rename the complete `step-N.tmp` to `step-N` (the coordinator's save returns once every rank's
+        data and the metadata are written), then purge checkpoints beyond checkpoint.keep_latest_k."""
+        if not self.is_coordinator:
+            return
+        final = self._path(step)
+        if os.path.exists(final):  # saved again after rewinding with checkpoint.load_step
+            os.rename(final, final + ".old")
+        os.rename(final + ".tmp", final)
+        _fsync_dir(self.folder)
+        shutil.rmtree(final + ".old", ignore_errors=True)
+        logger.info(f"Saved checkpoint {final}")
+        if self.cfg.keep_latest_k > 0:
+            self._purge(keep=step)
+
+    def _purge(self, keep: int) -> None:
+        if self._purger is not None:
+            self._purger.join()
+        old = [s for s in list_checkpoints(self.folder)[: -self.cfg.keep_latest_k] if s != keep]
+        if old:
+            self._purger = threading.Thread(target=self._delete, args=(old,), daemon=True)
+            self._purger.start()
+
+    def _delete(self, steps: list[int]) -> None:
+        """Rename before deleting, so a folder half deleted by a crash is never taken for a checkpoint."""
+        for step in steps:
+            doomed = self._path(step) + ".purging"
+            os.rename(self._path(step), doomed)
+            shutil.rmtree(doomed)
+            logger.info(f"Deleted checkpoint {self._path(step)} (checkpoint.keep_latest_k)")
+
+    def close(self) -> None:
+        """Finish the async save in flight and the deletions; call once training is over."""
+        self.wait()
+        if self._purger is not None:
+            self._purger.join()
+        if self._stager is not None:
+            self._stager.close()

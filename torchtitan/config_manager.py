@@ -10,7 +10,7 @@ import os
 import sys
 import types
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, Union
 
 try:
@@ -24,8 +24,16 @@ class ConfigError(ValueError):
 
 
 def opt(default: Any, help: str, choices: tuple | None = None, min: float | None = None) -> Any:
-    """Declare one option: its default, help text and the values it accepts."""
-    return field(default=default, metadata={"help": help, "choices": choices, "min": min})
+    """Declare one option: its default, help text and the values it accepts (each item's, for a list)."""
+    metadata = {"help": help, "choices": choices, "min": min}
+    if isinstance(default, list):  # each config gets its own list
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def default_of(option: Field) -> Any:
+    """The declared default of an option."""
+    return option.default_factory() if option.default is MISSING else option.default
 
 
 @dataclass
@@ -44,6 +52,12 @@ class Model:
         "assets/tokenizer/kjv_bpe.tiktoken",
         "tiktoken BPE file (the bundled one, or Llama 3's tokenizer.model); relative paths are "
         "resolved from the current folder, then from the repository root",
+    )
+    vocab_size: int = opt(
+        -1,
+        "Rows of the embedding and output layers; -1: the tokenizer's vocabulary. A larger value pads "
+        "them, e.g. 128256 to train at Llama 3's real size with the bundled tokenizer (for benchmarks)",
+        min=-1,
     )
 
 
@@ -95,12 +109,88 @@ class Training:
     mixed_precision_reduce: str = opt(
         "float32", "Dtype of gradient reduction across data-parallel ranks", choices=("bfloat16", "float32")
     )
+    global_batch_size: int = opt(
+        -1,
+        "Sequences per optimizer step over all data-parallel ranks; a multiple of batch_size x DP degree "
+        "runs that many micro-batches per step (gradient accumulation); -1: batch_size x DP degree",
+        min=-1,
+    )
+    compile: bool = opt(
+        False, "torch.compile each transformer block, and the loss unless it is computed loss-parallel"
+    )
+    skip_nonfinite_steps: bool = opt(
+        False,
+        "On a NaN/Inf gradient norm, skip the step (no optimizer step; counted as skipped_steps in "
+        "metrics.jsonl) instead of stopping with exit code 3",
+    )
 
 
 @dataclass
 class Parallelism:
     data_parallel_shard_degree: int = opt(
         -1, "FSDP degree; -1 uses all ranks left by the other degrees", min=-1
+    )
+    data_parallel_replicate_degree: int = opt(
+        1, "Replicas of the sharded model (HSDP when the shard degree is also > 1; DDP when it is 1)", min=1
+    )
+    tensor_parallel_degree: int = opt(
+        1, "Tensor (and sequence) parallel degree; must divide the model's attention heads", min=1
+    )
+    enable_loss_parallel: bool = opt(
+        True, "With TP, compute the loss on vocabulary-sharded logits instead of gathering them"
+    )
+    enable_async_tensor_parallel: bool = opt(
+        False, "Overlap TP communication with matmuls (CUDA and training.compile only)"
+    )
+    fsdp_reshard_after_forward: str = opt(
+        "default",
+        "Free gathered parameters after forward: default = every block but the last (none with PP), "
+        "always, never (more memory, less communication)",
+        choices=("default", "always", "never"),
+    )
+    fsdp_forward_prefetch: int = opt(
+        0, "Blocks whose parameters each block all-gathers ahead in forward; 0: FSDP's implicit one", min=0
+    )
+    fsdp_backward_prefetch: int = opt(
+        0, "Blocks whose parameters each block all-gathers ahead in backward; 0: FSDP's implicit one", min=0
+    )
+    pipeline_parallel_degree: int = opt(1, "Pipeline-parallel degree: ranks the layers are split over", min=1)
+    pipeline_parallel_schedule: str = opt(
+        "1F1B",
+        "Pipeline schedule (torch.distributed.pipelining); GPipe and 1F1B run one stage per rank, "
+        "the others two (ZBVZeroBubble and DualPipeV in a V: rank r holds stages r and 2*pp-1-r)",
+        choices=(
+            "GPipe",
+            "1F1B",
+            "Interleaved1F1B",
+            "LoopedBFS",
+            "InterleavedZeroBubble",
+            "ZBVZeroBubble",
+            "DualPipeV",
+        ),
+    )
+    pipeline_parallel_microbatches: int | None = opt(
+        None, "Micro-batches each rank's batch is split into per step; unset: the number of stages", min=1
+    )
+    pipeline_parallel_split_points: list[str] = opt(
+        [],
+        "First layer of each stage after the first, e.g. layers.2,layers.4 (stages = points + 1, "
+        "a multiple of the PP degree); empty: split the layers evenly",
+    )
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = opt(
+        "none",
+        "Recompute activations in backward instead of keeping them: none, full (every block) or "
+        "selective (see selective_ac_option)",
+        choices=("none", "full", "selective"),
+    )
+    selective_ac_option: str = opt(
+        "2",
+        "With mode selective: 'op' keeps matmul, attention and reduce-scatter outputs (every other "
+        "matmul's) and recomputes the rest; an integer N checkpoints every N-th block",
     )
 
 
@@ -109,6 +199,34 @@ class Checkpoint:
     enable_checkpoint: bool = opt(False, "Save checkpoints and resume from the latest one")
     folder: str = opt("checkpoint", "Checkpoint folder, inside job.dump_folder")
     interval: int = opt(500, "Save every N steps (and at the last step)", min=1)
+    keep_latest_k: int = opt(
+        0, "Keep only the newest K checkpoints, deleting older ones in the background; 0 keeps all", min=0
+    )
+    load_step: int = opt(-1, "Resume from this step's checkpoint; -1: the latest complete one", min=-1)
+    async_mode: str = opt(
+        "disabled",
+        "Save in the background: async copies the state to CPU memory and writes it from another process; "
+        "async_with_pinned_mem copies into pinned memory (CUDA only; plain async on CPU)",
+        choices=("disabled", "async", "async_with_pinned_mem"),
+    )
+    model_weights_only: bool = opt(
+        False, "At the last step save the model weights only (in export_dtype), e.g. for inference"
+    )
+    export_dtype: str = opt(
+        "float32",
+        "Dtype of the weights saved by model_weights_only",
+        choices=("float32", "bfloat16", "float16"),
+    )
+    exclude_from_loading: list[str] = opt(
+        [],
+        "Parts of the checkpoint not to load on resume (they start fresh), e.g. dataloader,optimizer",
+        choices=("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"),
+    )
+    initial_load_path: str | None = opt(
+        None,
+        "A checkpoint folder (step-N) whose model weights start a new run, e.g. for fine-tuning; "
+        "used only when the run has no checkpoint of its own",
+    )
 
 
 @dataclass
@@ -116,6 +234,21 @@ class Metrics:
     log_freq: int = opt(10, "Log every N steps (and the first and last)", min=1)
     enable_wandb: bool = opt(False, "Also log to Weights & Biases (WANDB_MODE=offline works without network)")
     enable_color_printing: bool | None = opt(None, "Colour the log; unset: colour only on a terminal")
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = opt(False, "Write torch profiler traces of one step in every profile_freq")
+    save_traces_folder: str = opt(
+        "profile_traces", "Trace folder, inside job.dump_folder (iteration_N/rank{r}_trace.json)"
+    )
+    profile_freq: int = opt(10, "Profile (and snapshot memory at) every N-th step", min=1)
+    enable_memory_snapshot: bool = opt(
+        False, "Record CUDA memory history and dump allocator snapshots every profile_freq steps (CUDA only)"
+    )
+    save_memory_snapshot_folder: str = opt(
+        "memory_snapshot", "Memory snapshot folder, inside job.dump_folder"
+    )
 
 
 @dataclass
@@ -132,8 +265,10 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -155,9 +290,15 @@ def _base_type(tp: Any) -> tuple[type, bool]:
     return tp, False
 
 
+def _list_item_type(tp: Any) -> type | None:
+    """The item type of a `list[...]` option, None for a scalar one."""
+    return typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+
+
 def _type_name(tp: Any) -> str:
     base, optional = _base_type(tp)
-    return base.__name__ + (" (optional)" if optional else "")
+    name = str(base) if _list_item_type(base) else base.__name__
+    return name + (" (optional)" if optional else "")
 
 
 def _closest(name: str, candidates: list[str]) -> str:
@@ -170,6 +311,14 @@ def _check_value(key: str, value: Any, tp: Any, meta: dict) -> Any:
     base, optional = _base_type(tp)
     if value is None and optional:
         return None
+    item_type = _list_item_type(base)
+    if item_type is not None:
+        if not isinstance(value, list) or not all(isinstance(v, item_type) for v in value):
+            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        for v in value:
+            if meta["choices"] is not None and v not in meta["choices"]:
+                raise ConfigError(f"{key}: {v!r} is not one of {', '.join(map(str, meta['choices']))}")
+        return value
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if not isinstance(value, base) or (base is int and isinstance(value, bool)):
@@ -191,6 +340,9 @@ def _parse_cli_value(key: str, text: str, tp: Any) -> Any:
         if text.lower() in ("false", "0", "no"):
             return False
         raise ConfigError(f"--{key}: expected true or false, got {text!r}")
+    item_type = _list_item_type(base)
+    if item_type is not None:  # comma-separated; an empty string is the empty list
+        return [item_type(item.strip()) for item in text.split(",") if item.strip()]
     try:
         return base(text)
     except ValueError:
@@ -227,7 +379,7 @@ def _build_arg_parser() -> argparse.ArgumentParser:
                 dest=f"{sec}.{f.name}",
                 metavar=_type_name(tp).split()[0].upper(),
                 default=argparse.SUPPRESS,
-                help=f"{meta['help']} ({_type_name(tp)}, default: {f.default!r}{extra})",
+                help=f"{meta['help']} ({_type_name(tp)}, default: {default_of(f)!r}{extra})",
             )
     return parser
 

@@ -35,14 +35,19 @@ def init_distributed(init_timeout_seconds: int) -> tuple[int, int, torch.device]
 
 
 def set_collective_timeout(seconds: int) -> None:
-    """Shorten the timeout once the first step has shown that every rank is up and compiled."""
+    """Set the timeout of every process group this rank belongs to: the device mesh's groups and
+    the checkpointer's are created with torch's default (10 min for NCCL, 30 for gloo), not the
+    world's. Called once the mesh exists (comm.init_timeout_seconds), then after the first step has
+    shown that every rank is up and compiled (comm.train_timeout_seconds)."""
     if dist.is_initialized():
-        for group in [dist.group.WORLD]:
+        for group in list(dist.distributed_c10d._world.pg_map):
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
 
 
 def dist_mean(x: torch.Tensor, mesh: DeviceMesh | None) -> float:
     """Mean of a scalar over the ranks of `mesh` (host sync: call at logging steps only)."""
+    if isinstance(x, DTensor):  # the loss under loss parallel: replicated over the tp mesh
+        x = x.full_tensor()
     x = x.detach().float()
     if mesh is not None:
         x = x.clone()
@@ -52,19 +57,36 @@ def dist_mean(x: torch.Tensor, mesh: DeviceMesh | None) -> float:
     return x.item()
 
 
+def dist_sum(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Sum of a tensor over the ranks of `mesh`, e.g. to share a value one rank holds (others 0)."""
+    if isinstance(x, DTensor):  # the loss under loss parallel: replicated over the tp mesh
+        x = x.full_tensor()
+    x = x.detach().clone()
+    dist.all_reduce(x, group=mesh.get_group())
+    return x
+
+
 @torch.no_grad()
-def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: list[torch.nn.Parameter], max_norm: float, pp_mesh: DeviceMesh | None = None
+) -> torch.Tensor:
     """Clip by the norm of the whole model's gradient, whatever its sharding.
 
     DTensor gradients give the norm over every mesh dimension they are sharded on; the result is a
     plain tensor, identical on all ranks. CPU kernels sum squares sequentially, which loses ~1e-4 in
-    fp32 over a large tensor (and differently per shard size), so on CPU the sum runs in float64."""
+    fp32 over a large tensor (and differently per shard size), so on CPU the sum runs in float64.
+    With `pp_mesh`, each pipeline rank holds the gradients of its stages only: the squared norms
+    are summed over it."""
     grads = [p.grad for p in parameters if p.grad is not None]
     accumulate_dtype = torch.float64 if grads[0].device.type == "cpu" else None
     norms = torch._foreach_norm(grads, 2.0, dtype=accumulate_dtype)
     total_norm = torch.linalg.vector_norm(torch.stack(norms))
     if isinstance(total_norm, DTensor):
         total_norm = total_norm.full_tensor()
+    if pp_mesh is not None:
+        total_norm = total_norm**2
+        dist.all_reduce(total_norm, group=pp_mesh.get_group())
+        total_norm = total_norm.sqrt()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)
     return total_norm

@@ -11,30 +11,38 @@ import torch
 
 from torchtitan.logging import logger
 
-# Dense bf16 peak FLOP/s (no sparsity) by device name fragment; fp32 peaks are not listed because
-# training runs matmuls in bf16 (or TF32, whose peak is another figure): MFU is reported as n/a there.
-PEAK_BF16_FLOPS = {
-    "H200": 989e12,
-    "H100 SXM": 989e12,
-    "H100 80GB HBM3": 989e12,
-    "H100 PCIe": 756e12,
-    "H100 NVL": 835e12,
-    "A100": 312e12,
-    "B200": 2250e12,
-    "MI300X": 1307e12,
-    "MI325X": 1307e12,
-    "L40S": 362e12,
-}
+# Dense (no sparsity) peak FLOP/s from the vendors' datasheets, per device and matmul dtype.
+# Matched in order against torch.cuda.get_device_name(), so a name that contains another comes first
+# (GB200 before B200, GH200 and H200 NVL before H200). Anything not listed reports MFU as n/a:
+# a wrong peak is worse than none. float32 is the plain FP32 rate, valid only while TF32 is off.
+PEAK_FLOPS: list[tuple[str, dict[torch.dtype, float]]] = [
+    ("GB200", {torch.bfloat16: 2500e12}),
+    ("B200", {torch.bfloat16: 2250e12}),
+    ("GH200", {torch.bfloat16: 989e12, torch.float32: 67e12}),
+    ("H200 NVL", {torch.bfloat16: 835e12, torch.float32: 60e12}),
+    ("H200", {torch.bfloat16: 989e12, torch.float32: 67e12}),
+    ("H100 NVL", {torch.bfloat16: 835e12, torch.float32: 60e12}),
+    ("H100 PCIe", {torch.bfloat16: 756e12, torch.float32: 51e12}),
+    ("H100 SXM", {torch.bfloat16: 989e12, torch.float32: 67e12}),
+    ("H100 80GB HBM3", {torch.bfloat16: 989e12, torch.float32: 67e12}),  # the SXM5 board's name
+    ("A100", {torch.bfloat16: 312e12, torch.float32: 19.5e12}),
+    ("MI300X", {torch.bfloat16: 1307.4e12, torch.float32: 163.4e12}),
+    ("MI325X", {torch.bfloat16: 1307.4e12, torch.float32: 163.4e12}),
+    ("L40S", {torch.bfloat16: 362e12, torch.float32: 91.6e12}),
+]
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """The device's peak dense FLOP/s for `dtype`, or None when it is not known (never a guess)."""
-    if device.type != "cuda" or dtype != torch.bfloat16:
+    """The device's dense peak FLOP/s for matmuls in `dtype`, or None when it is not known (never a
+    guess): CPUs, unlisted GPUs, and float32 with TF32 enabled (whose peak is another figure)."""
+    if device.type != "cuda":
+        return None
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
         return None
     name = torch.cuda.get_device_name(device)
-    for fragment, flops in PEAK_BF16_FLOPS.items():
+    for fragment, peaks in PEAK_FLOPS:
         if fragment in name:
-            return flops
+            return peaks.get(dtype)
     return None
 
 
@@ -68,6 +76,7 @@ class StepMetrics:
     lr: float
     tokens: int
     elapsed: float
+    skipped_steps: int = 0  # steps so far whose non-finite gradients were dropped
 
 
 class MetricLogger:
@@ -135,6 +144,7 @@ class MetricLogger:
             "data_time_pct": 100 * data_time / step_time if step_time > 0 else 0.0,
             "elapsed": m.elapsed,
             "time": time.time(),
+            "skipped_steps": m.skipped_steps,
         }
         if not self.is_logging_rank:
             return

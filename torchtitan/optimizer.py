@@ -9,7 +9,9 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchtitan.config_manager import ConfigError, LRScheduler, Optimizer
 
 
-def build_optimizer(model: nn.Module, cfg: Optimizer) -> torch.optim.Optimizer:
+def build_optimizer(model_parts: nn.Module | list[nn.Module], cfg: Optimizer) -> torch.optim.Optimizer:
+    """One optimizer over the parameters of the model, or of all the pipeline stages a rank holds."""
+    parts = model_parts if isinstance(model_parts, list) else [model_parts]
     kwargs = {
         "lr": cfg.lr,
         "betas": (cfg.beta1, cfg.beta2),
@@ -19,7 +21,7 @@ def build_optimizer(model: nn.Module, cfg: Optimizer) -> torch.optim.Optimizer:
         "fused": cfg.implementation == "fused",
     }
     optimizer_cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[cfg.name]
-    return optimizer_cls(model.parameters(), **kwargs)
+    return optimizer_cls([p for part in parts for p in part.parameters()], **kwargs)
 
 
 def lr_multiplier(step: int, total_steps: int, cfg: LRScheduler) -> float:

@@ -290,4 +290,6 @@ def build_hf_data_loader(
     dataset = HuggingFaceDataset(
         dataset_name, ds, tokenizer, seq_len, batch_size, dp_world_size, dp_rank, infinite=infinite
     )
-    return StatefulDataLoader(dataset, batch_size=batch_size, num_workers=0)
+    # A generator of its own: each iter() draws a seed from it, which would otherwise advance the global
+    # RNG after the checkpointed RNG state is restored, and a resumed run's state would drift.
+    return StatefulDataLoader(dataset, batch_size=batch_size, num_workers=0, generator=torch.Generator())

@@ -1,10 +1,16 @@
-"""The parallel degrees of a job, checked against the world size, and the device mesh they span."""
+"""The parallel degrees of a job, checked against the world size, and the device mesh they span.
+
+Importing this module does not import torch (the launcher's preflight checks the degrees with it)."""
+
+from __future__ import annotations
 
 from dataclasses import dataclass
-
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from typing import TYPE_CHECKING
 
 from torchtitan.config_manager import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass
@@ -14,6 +20,7 @@ class ParallelDims:
     dp_replicate: int = 1
     tp: int = 1
     pp: int = 1
+    enable_loss_parallel: bool = False
 
     def __post_init__(self) -> None:
         fixed = {
@@ -64,6 +71,10 @@ class ParallelDims:
         return self.pp > 1
 
     @property
+    def loss_parallel_enabled(self) -> bool:
+        return self.tp_enabled and self.enable_loss_parallel
+
+    @property
     def dp_degree(self) -> int:
         return self.dp_replicate * self.dp_shard
 
@@ -82,6 +93,8 @@ class ParallelDims:
         ]
         if not dims:
             dims = [("dp_shard", 1)]
+        from torch.distributed.device_mesh import init_device_mesh
+
         mesh = init_device_mesh(device_type, [d for _, d in dims], mesh_dim_names=[n for n, _ in dims])
         dp_names = [n for n, _ in dims if n.startswith("dp_")]
         if len(dp_names) == 2:

@@ -1,42 +1,250 @@
 """Apply the job's parallelism to a Llama model built on the meta device.
 
-Each technique is a plain function; `parallelize_llama` composes them in the order PyTorch needs.
+Each technique is a plain function; `parallelize_llama` composes them in the order PyTorch needs:
+tensor parallelism first (it turns parameters into DTensors on the tp mesh), then activation
+checkpointing and compilation per block, then data parallelism (FSDP/HSDP, or DDP) over the dp mesh,
+which shards the DTensors further. With pipeline parallelism it is applied to each stage's model.
 """
+
+from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from torchtitan.config_manager import JobConfig
+from torchtitan.config_manager import ConfigError, JobConfig
+from torchtitan.models.llama import ModelArgs
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def validate_parallelism(
+    job_config: JobConfig, parallel_dims: ParallelDims, model_args: ModelArgs, device_type: str
+) -> None:
+    """Reject layouts that cannot work before anything is built (ParallelDims checks the degrees)."""
+    tp = parallel_dims.tp
+    n_kv_heads = model_args.n_kv_heads or model_args.n_heads
+    if model_args.n_heads % tp or n_kv_heads % tp:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree: {tp} does not divide the model's {model_args.n_heads} "
+            f"attention heads and {n_kv_heads} kv heads; choose a common divisor"
+        )
+    if job_config.training.seq_len % tp:
+        raise ConfigError(
+            f"training.seq_len: {job_config.training.seq_len} is not divisible by tensor_parallel_degree "
+            f"{tp} (sequence parallelism splits the sequence); change one of them"
+        )
+    if job_config.parallelism.enable_async_tensor_parallel and not (
+        device_type == "cuda" and job_config.training.compile and parallel_dims.tp_enabled
+    ):
+        raise ConfigError(
+            "parallelism.enable_async_tensor_parallel: needs CUDA, training.compile = true and "
+            f"tensor_parallel_degree > 1 (here: {device_type}, compile {job_config.training.compile}, "
+            f"tp {tp}); set it to false"
+        )
+    option = job_config.activation_checkpoint.selective_ac_option
+    if option != "op" and not (option.isdigit() and int(option) >= 1):
+        raise ConfigError(
+            f"activation_checkpoint.selective_ac_option: expected 'op' or a positive integer, got {option!r}"
+        )
+
+
 def parallelize_llama(
     model: nn.Module, world_mesh: DeviceMesh | None, parallel_dims: ParallelDims, job_config: JobConfig
 ) -> nn.Module:
+    par = job_config.parallelism
+    if parallel_dims.tp_enabled:
+        apply_tp(
+            model, world_mesh["tp"], parallel_dims.loss_parallel_enabled, par.enable_async_tensor_parallel
+        )
+    ac = job_config.activation_checkpoint
+    if ac.mode != "none":
+        apply_ac(model, ac.mode, ac.selective_ac_option)
+    if job_config.training.compile:
+        apply_compile(model)
+
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=DTYPES[job_config.training.mixed_precision_param],
+        reduce_dtype=DTYPES[job_config.training.mixed_precision_reduce],
+    )
     if parallel_dims.dp_shard_enabled:
+        # A 2-D (replicate, shard) mesh makes fully_shard do HSDP.
+        dp_dims = ("dp_replicate", "dp_shard") if parallel_dims.dp_replicate_enabled else ("dp_shard",)
+        if par.fsdp_reshard_after_forward == "default":
+            # With PP each micro-batch would gather the stage's parameters again.
+            reshard = False if parallel_dims.pp_enabled else "all_but_last"
+        else:
+            reshard = par.fsdp_reshard_after_forward == "always"
         apply_fsdp(
             model,
-            world_mesh[parallel_dims.dp_mesh_name()],
-            param_dtype=DTYPES[job_config.training.mixed_precision_param],
-            reduce_dtype=DTYPES[job_config.training.mixed_precision_reduce],
+            world_mesh[dp_dims],
+            mp_policy,
+            reshard_after_forward=reshard,
+            forward_prefetch=par.fsdp_forward_prefetch,
+            backward_prefetch=par.fsdp_backward_prefetch,
         )
+    elif parallel_dims.dp_replicate_enabled:
+        apply_ddp(model, world_mesh["dp_replicate"], mp_policy)
     return model
 
 
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, async_tp: bool) -> None:
+    """Megatron-style tensor parallelism with sequence parallelism.
+
+    Between blocks the residual stream is split along the sequence (Shard(1)): norms run on their
+    slice, and each attention/feed-forward all-gathers it, runs column-wise then row-wise sharded
+    projections (each rank holds a subset of heads / hidden units) and reduce-scatters back. With
+    loss parallel the logits stay sharded along the vocabulary for the loss."""
+    root_plan = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    # A pipeline stage may lack the embeddings, the final norm or the output.
+    root_plan = {name: style for name, style in root_plan.items() if getattr(model, name) is not None}
+    parallelize_module(model, tp_mesh, root_plan)
+    block_plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan)
+    if async_tp:
+        from torch._inductor import config as inductor_config
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        # Inductor's micro-pipeline pass splits the matmuls next to TP's collectives into chunks
+        # that overlap with them, through symmetric memory on the tp group.
+        inductor_config._micro_pipeline_tp = True
+        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+# Ops whose outputs selective op AC keeps: the expensive ones to recompute. Every other matmul's
+# output is still recomputed, to halve the memory they take.
+_SAVE_LIST = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+}
+
+
+def _op_policy() -> Callable:
+    mm_count: defaultdict[str, int] = defaultdict(int)
+
+    def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        # The forward and its recomputation count separately, so both see the same decisions.
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func == torch.ops.aten.mm.default:
+            mm_count[mode] += 1
+        if func in _SAVE_LIST and not (func == torch.ops.aten.mm.default and mm_count[mode] % 2 == 0):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def _op_context():
+    return create_selective_checkpoint_contexts(_op_policy())
+
+
+def apply_ac(model: nn.Module, mode: str, selective_ac_option: str) -> None:
+    """Activation checkpointing per transformer block: `full` recomputes whole blocks in backward;
+    `selective` with "op" saves only the outputs of `_SAVE_LIST` ops, with an integer N checkpoints
+    every N-th block (by layer id, so a pipeline split does not change which ones).
+
+    The wrapper adds `_checkpoint_wrapped_module.` to FQNs; init and DCP state dicts drop it."""
+    for layer_id, block in model.layers.named_children():
+        if mode == "selective" and selective_ac_option == "op":
+            wrapped = checkpoint_wrapper(block, context_fn=_op_context, preserve_rng_state=False)
+        elif mode == "full" or (int(layer_id) + 1) % int(selective_ac_option) == 0:
+            wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
+        else:
+            continue
+        model.layers.register_module(layer_id, wrapped)
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile each block separately: blocks are identical, so one graph serves them all, and FSDP's
+    hooks stay outside the compiled code."""
+    for layer_id, block in model.layers.named_children():
+        model.layers.register_module(layer_id, torch.compile(block, fullgraph=True))
+
+
 def apply_fsdp(
-    model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool | str,
+    forward_prefetch: int = 0,
+    backward_prefetch: int = 0,
 ) -> None:
     """FSDP2: shard each transformer block, then the root (embeddings, final norm, output).
 
-    The last block is not resharded after forward: backward starts with it, so gathering it again
-    right away would be wasted communication (FSDP never reshards the root after forward, for the
-    same reason)."""
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    layers = list(model.layers.values())
-    for i, block in enumerate(layers):
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=i < len(layers) - 1)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+    `reshard_after_forward="all_but_last"` keeps the last block gathered: backward starts with it,
+    so gathering it again right away would be wasted communication (FSDP never reshards the root
+    after forward by default, for the same reason). A prefetch count N makes each block all-gather
+    the next N blocks' parameters (the previous N in backward) instead of FSDP's implicit one."""
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        reshard = i < len(blocks) - 1 if reshard_after_forward == "all_but_last" else reshard_after_forward
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+    root_reshard = None if reshard_after_forward == "all_but_last" else reshard_after_forward
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=root_reshard)
+    if forward_prefetch:
+        model.set_modules_to_forward_prefetch(blocks[:forward_prefetch])
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + forward_prefetch])
+    if backward_prefetch:
+        model.set_modules_to_backward_prefetch(blocks[::-1][:backward_prefetch])
+        for i, block in enumerate(blocks):
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - backward_prefetch) : i][::-1])
+
+
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> None:
+    """Plain data parallelism (replicas only), on FSDP2's machinery: per-block gradient all-reduce
+    buckets, and the same mixed precision and accumulation controls as FSDP."""
+    for block in model.layers.values():
+        replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
+    replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
+
+
+def set_grad_all_reduce(model: nn.Module, enabled: bool) -> None:
+    """Whether the coming backward all-reduces gradients across replicas (HSDP/DDP).
+
+    With gradient accumulation only the last micro-batch needs to: earlier ones reduce-scatter
+    within each replica (keeping gradients sharded) and the partial sums are all-reduced once.
+    Pure FSDP still reduce-scatters every micro-batch: skipping that would keep unsharded gradients."""
+    if isinstance(model, FSDPModule):
+        model.set_requires_all_reduce(enabled)

@@ -1,0 +1,386 @@
+"""Performance figures of the trainer, each a ratio of two things measured side by side in one run.
+
+    python scripts/benchmark.py [--out results.json] [--threads 1]
+
+| figure | ratio | goal |
+| --- | --- | --- |
+| framework overhead | train.py's steady step time / a minimal hand-written loop's | <= 1.05 |
+| FSDP memory scaling | per-rank parameter + gradient + optimizer bytes at world size 4 / at 1 | <= 0.30 |
+| checkpoint | training time blocked by an async save / by a sync save | <= 0.15 |
+| data pipeline | tokens/s the loader delivers / tokens/s train.py consumes | >= 20 |
+| compile | train.py's steady step time compiled / eager | < 1 |
+
+Each part runs in a fresh process (train.py's main() disables GC, compiles, may start process
+groups), on the debug model, one process per rank, `--threads` intra-op threads each. train.py's
+step time is its own: the `step_time` metrics.jsonl logs for its best window of 4 steps past
+the first 8 (the best of 8 windows resists noise from other processes on a shared machine). On
+CPU the figures use the CPU time of the measuring process over the same windows (other processes
+on the cores stretch wall time, not CPU time; on a quiet machine the two agree), with wall time
+printed beside. The hand-written loop runs in the same process as train.py, before and after
+it, timed the same way, on the same model, batch and optimizer, with one fixed batch and torch's
+own clip_grad_norm_.
+The checkpoint figure comes from scripts/benchmark_checkpoint.py (a 134M-parameter model).
+Takes a few minutes on 2 CPU cores; on a GPU machine it runs on the GPU.
+"""
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from torchtitan.config_manager import parse_args  # noqa: E402
+
+TRAIN_ARGS = [
+    "--job.config_file",
+    str(ROOT / "train_configs" / "debug_model.toml"),
+    "--checkpoint.enable_checkpoint",
+    "false",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--training.batch_size",
+    "2",
+    "--training.seq_len",
+    "128",
+]
+LOG_FREQ = 4  # steps per timed window
+STEADY_FROM = 2 * LOG_FREQ  # windows after this step are steady (compilation and warmup are over)
+WINDOWS = 8  # steady windows timed per run; the best one counts, as other processes add noise
+
+
+ON_GPU = torch.cuda.is_available()
+
+
+def train_step_time(dump_folder: str, extra: list[str]) -> dict:
+    """Step seconds of train.py's main(), run in this process: its best steady window as its
+    metrics.jsonl reports it (wall time), and this process's CPU time over the same windows."""
+    import train
+
+    cpu_at_step: list[float] = []
+    hook = register_optimizer_step_post_hook(lambda *_: cpu_at_step.append(time.process_time()))
+    steps = STEADY_FROM + WINDOWS * LOG_FREQ
+    argv = [*TRAIN_ARGS, "--training.steps", str(steps), "--metrics.log_freq", str(LOG_FREQ)]
+    try:
+        train.main(parse_args([*argv, "--job.dump_folder", dump_folder, *extra]))
+    finally:
+        hook.remove()
+    with open(os.path.join(dump_folder, "metrics.jsonl")) as f:
+        best = min((r for r in map(json.loads, f) if r["step"] > STEADY_FROM), key=lambda r: r["step_time"])
+    ends = cpu_at_step[STEADY_FROM - 1 :: LOG_FREQ]  # CPU clock after steps 8, 12, 16, ...
+    cpu = min(b - a for a, b in zip(ends, ends[1:])) / LOG_FREQ
+    return {"wall": best["step_time"], "cpu": cpu, "tokens": best["tps"] * best["step_time"]}
+
+
+def reference_step_time(extra: list[str], warmup: int = 3) -> dict:
+    """Step seconds (wall and CPU, best window) of a minimal PyTorch loop: same model, batch and
+    optimizer as train.py, one fixed batch, no data loader, logging, scheduler or checkpointing."""
+    from torchtitan.datasets.tokenizer import Tokenizer
+    from torchtitan.models.llama import Transformer, llama3_configs
+
+    cfg = parse_args([*TRAIN_ARGS, *extra])
+    tokenizer = Tokenizer(ROOT / cfg.model.tokenizer_path)
+    args = llama3_configs[cfg.model.flavor]
+    args.vocab_size, args.max_seq_len = tokenizer.n_words, cfg.training.seq_len
+    device = torch.device("cuda" if ON_GPU else "cpu")
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=device)
+    model.init_weights(seed=0)
+    o = cfg.optimizer
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        foreach=o.implementation == "foreach",
+        fused=o.implementation == "fused",
+    )
+    tokens = torch.randint(0, args.vocab_size, (cfg.training.batch_size, cfg.training.seq_len + 1))
+    inputs, labels = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+    wall, cpu = [], []
+    for window in range(-warmup, WINDOWS):
+        wall_start, cpu_start = time.perf_counter(), time.process_time()
+        for _ in range(LOG_FREQ):
+            loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten())
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm, foreach=True)
+            optimizer.step()
+            optimizer.zero_grad()
+        loss.item()  # like train.py's logging step: wait for the device
+        if window >= 0:
+            wall.append((time.perf_counter() - wall_start) / LOG_FREQ)
+            cpu.append((time.process_time() - cpu_start) / LOG_FREQ)
+    return {"wall": min(wall), "cpu": min(cpu)}
+
+
+def step_ratio(a: dict, b: dict) -> float:
+    """a / b in wall time on a GPU; on CPU in CPU time, which other processes sharing the cores
+    barely change (a single-threaded CPU step's wall time is its CPU time on a quiet machine)."""
+    clock = "wall" if ON_GPU else "cpu"
+    return a[clock] / b[clock]
+
+
+def part_overhead(tmp: str) -> dict:
+    before = reference_step_time([])
+    trained = train_step_time(os.path.join(tmp, "eager"), [])
+    after = reference_step_time([])
+    reference = {clock: min(before[clock], after[clock]) for clock in ("wall", "cpu")}
+    return {"value": step_ratio(trained, reference), "train": trained, "reference": [before, after]}
+
+
+def part_compile(tmp: str) -> dict:
+    compiled = train_step_time(os.path.join(tmp, "compiled"), ["--training.compile", "true"])
+    eager = train_step_time(os.path.join(tmp, "eager"), [])
+    return {"value": step_ratio(compiled, eager), "compiled": compiled, "eager": eager}
+
+
+def part_data(tmp: str, seconds: float = 5.0) -> dict:
+    """Tokens/s of the loader alone, past its first batch (dataset loading)."""
+    from torchtitan.datasets.hf_datasets import build_hf_data_loader
+    from torchtitan.datasets.tokenizer import Tokenizer
+
+    cfg = parse_args(TRAIN_ARGS)
+    t = cfg.training
+    tokenizer = Tokenizer(ROOT / cfg.model.tokenizer_path)
+    loader = build_hf_data_loader(t.dataset, t.dataset_path, tokenizer, t.batch_size, t.seq_len, 1, 0)
+    batches = iter(loader)
+    next(batches)
+    count, wall, cpu = 0, time.perf_counter(), time.process_time()
+    while time.perf_counter() - wall < seconds:
+        inputs, _ = next(batches)
+        count += inputs.numel()
+    return {"wall": count / (time.perf_counter() - wall), "cpu": count / (time.process_time() - cpu)}
+
+
+def part_checkpoint(tmp: str) -> dict:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import benchmark_checkpoint
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    folder = os.path.join(tmp, "checkpoint")
+    sync = benchmark_checkpoint.run(mode="disabled", folder=folder + "_sync", saves=3, device=device)
+    async_ = benchmark_checkpoint.run(mode="async", folder=folder + "_async", saves=3, device=device)
+    dist.destroy_process_group()
+    # The first async save also starts the background writer: the later ones are the steady state.
+    sync_s, async_s = sum(sync) / len(sync), sum(async_[1:]) / len(async_[1:])
+    return {"value": async_s / sync_s, "sync_blocked_s": sync, "async_blocked_s": async_}
+
+
+def part_fsdp_memory(tmp: str) -> dict:
+    """Bytes of the parameters, gradients and optimizer state this rank holds after a training step,
+    built by the trainer's own parallelize_llama and build_optimizer (FSDP over all ranks)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from torchtitan.datasets.tokenizer import Tokenizer
+    from torchtitan.models.llama import Transformer, llama3_configs
+    from torchtitan.optimizer import build_optimizer
+    from torchtitan.parallelisms.parallel_dims import ParallelDims
+    from torchtitan.parallelisms.parallelize_llama import parallelize_llama
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:
+        dist.init_process_group("gloo")
+    cfg = parse_args(TRAIN_ARGS)
+    args = llama3_configs[cfg.model.flavor]
+    args.vocab_size = Tokenizer(ROOT / cfg.model.tokenizer_path).n_words
+    args.max_seq_len = cfg.training.seq_len
+    dims = ParallelDims(dp_shard=-1, world_size=world_size)
+    with torch.device("meta"):
+        model = Transformer(args)
+    mesh = dims.build_mesh("cpu") if world_size > 1 else None
+    model = parallelize_llama(model, mesh, dims, cfg)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    optimizer = build_optimizer(model, cfg.optimizer)
+    tokens = torch.randint(0, args.vocab_size, (2, 33))
+    F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    optimizer.step()
+
+    def nbytes(t: torch.Tensor) -> int:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        return local.numel() * local.element_size()
+
+    params = list(model.parameters())
+    held = {
+        "params": sum(nbytes(p) for p in params),
+        "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(nbytes(v) for s in optimizer.state.values() for v in s.values()),
+    }
+    gathered = [None] * world_size
+    if world_size > 1:
+        dist.all_gather_object(gathered, held)
+        dist.barrier()  # no rank tears gloo down while another still reads from it
+        dist.destroy_process_group()
+    else:
+        gathered = [held]
+    return {"ranks": gathered}
+
+
+PARTS = {
+    "overhead": part_overhead,
+    "compile": part_compile,
+    "data": part_data,
+    "checkpoint": part_checkpoint,
+    "fsdp_memory": part_fsdp_memory,
+}
+
+
+def run_part(name: str, tmp: str, threads: int, nproc: int = 1) -> dict:
+    """Run one part in fresh process(es); its train.py logs go to {tmp}/{name}.log."""
+    result = os.path.join(tmp, f"{name}-{nproc}.json")
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+        launcher += ["--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
+    cmd = [*launcher, __file__, "--part", name, "--tmp", tmp, "--result", result]
+    with open(os.path.join(tmp, f"{name}-{nproc}.log"), "w") as log:
+        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    if done.returncode != 0:
+        raise SystemExit(
+            f"benchmark part {name} failed; see {log.name}:\n" + Path(log.name).read_text()[-3000:]
+        )
+    return json.loads(Path(result).read_text())
+
+
+def run_all(threads: int, tmp: str) -> dict:
+    cfg = parse_args(TRAIN_ARGS)
+    t = cfg.training
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{os.cpu_count()} CPU cores"
+    setup = {
+        "device": device,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads_per_process": threads,
+        "model": f"{cfg.model.name} {cfg.model.flavor}",
+        "batch": f"{t.batch_size} x {t.seq_len} tokens, {t.mixed_precision_param}",
+        "timing": f"best of {WINDOWS} windows of {LOG_FREQ} steps, after {STEADY_FROM} warmup steps",
+    }
+    figures = []
+
+    def add(name: str, value: float, goal: str, ok: bool, detail: str, data: dict) -> None:
+        figures.append({"figure": name, "value": value, "goal": goal, "met": ok, "detail": detail, **data})
+        print(f"  {name}: {value:.3f} ({detail})", flush=True)
+
+    print(f"Setup: {json.dumps(setup)}", flush=True)
+    clock = "wall" if ON_GPU else "cpu"
+    setup["clock"] = f"{clock} time" + ("" if ON_GPU else " of the measuring process (wall time in brackets)")
+
+    def ms(step: dict) -> str:
+        return f"{1e3 * step[clock]:.1f} ms/step ({1e3 * step['wall']:.1f})"
+
+    o = run_part("overhead", tmp, threads)
+    add(
+        "framework overhead",
+        o["value"],
+        "<= 1.05",
+        o["value"] <= 1.05,
+        f"train.py {ms(o['train'])} vs hand-written loop, best of before/after: "
+        + ", ".join(ms(r) for r in o["reference"]),
+        o,
+    )
+
+    one, four = (
+        run_part("fsdp_memory", tmp, threads)["ranks"],
+        run_part("fsdp_memory", tmp, threads, 4)["ranks"],
+    )
+    total = [sum(r.values()) for r in four]
+    ratio = max(total) / sum(one[0].values())
+    add(
+        "FSDP memory scaling",
+        ratio,
+        "<= 0.30",
+        ratio <= 0.30,
+        f"largest rank of 4 holds {max(total) / 2**20:.2f} MiB of params+grads+optimizer state, "
+        f"1 rank {sum(one[0].values()) / 2**20:.2f} MiB",
+        {"world_size_1": one, "world_size_4": four},
+    )
+
+    c = run_part("checkpoint", tmp, threads)
+    add(
+        "checkpoint",
+        c["value"],
+        "<= 0.15",
+        c["value"] <= 0.15,
+        f"async save blocks {1e3 * sum(c['async_blocked_s'][1:]) / len(c['async_blocked_s'][1:]):.0f} ms, "
+        f"sync {1e3 * sum(c['sync_blocked_s']) / len(c['sync_blocked_s']):.0f} ms "
+        "(134M-param model + AdamW; async steady state, past the first save)",
+        c,
+    )
+
+    d = run_part("data", tmp, threads)
+    consumed = o["train"]["tokens"] / o["train"][clock]
+    ratio = d[clock] / consumed
+    add(
+        "data pipeline",
+        ratio,
+        ">= 20",
+        ratio >= 20,
+        f"loader {d[clock]:,.0f} tokens/s ({d['wall']:,.0f}), train.py consumes {consumed:,.0f}",
+        d,
+    )
+
+    k = run_part("compile", tmp, threads)
+    add(
+        "compile",
+        k["value"],
+        "< 1 (faster)",
+        k["value"] < 1,
+        f"compiled {ms(k['compiled'])}, eager {ms(k['eager'])}",
+        k,
+    )
+    return {"setup": setup, "figures": figures}
+
+
+def print_table(results: dict) -> None:
+    print("\nSetup: " + ", ".join(f"{k}: {v}" for k, v in results["setup"].items()))
+    print(f"{'figure':<22} {'value':>8}  {'goal':<13} {'met':<4} detail")
+    for f in results["figures"]:
+        met = "yes" if f["met"] else "NO"
+        print(f"{f['figure']:<22} {f['value']:8.3f}  {f['goal']:<13} {met:<4} {f['detail']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", help="write the figures and their raw measurements to this JSON file")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
+    parser.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)
+    parser.add_argument("--tmp", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.part:  # a worker: measure one part, write its result (rank 0)
+        result = PARTS[args.part](args.tmp)
+        if int(os.environ.get("RANK", "0")) == 0:
+            Path(args.result).write_text(json.dumps(result))
+        return
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="titan-benchmark-") as tmp:
+        results = run_all(args.threads, tmp)
+    results["seconds"] = time.perf_counter() - start
+    print_table(results)
+    print(f"({results['seconds']:.0f} s)")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Convert a DCP checkpoint folder into one `torch.save` file (model, optimizer, schedule, data position,
+step, RNG states), e.g. to inspect it or to load it without torch.distributed:
+
+    python scripts/convert_dcp_to_torch.py outputs/checkpoint/step-100 step-100.pt
+
+Read it back with `torch.load("step-100.pt", weights_only=True)`. This does what
+`torch.distributed.checkpoint.format_utils.dcp_to_torch_save` does, but reads the checkpoint without
+unpickling anything other than plain data (torchtitan/safe_dcp.py), as it may come from anywhere.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, uninstalled
+
+from torchtitan.safe_dcp import SafeReader, read_checkpoint  # noqa: E402
+
+
+def convert(checkpoint: str, output: str) -> None:
+    """Save the checkpoint's items nested as they were saved ({"model": {"norm.weight": ...}, ...})."""
+    paths = SafeReader(checkpoint).read_metadata().planner_data  # flattened key -> path in the nesting
+    state: dict[str, Any] = {}
+    for key, value in read_checkpoint(checkpoint).items():
+        *parents, leaf = paths[key]
+        node = state
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    torch.save(state, output)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("checkpoint", help="DCP checkpoint folder, e.g. outputs/checkpoint/step-100")
+    parser.add_argument("output", help="file to write")
+    args = parser.parse_args(argv)
+    convert(args.checkpoint, args.output)
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

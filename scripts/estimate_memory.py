@@ -1,0 +1,444 @@
+"""Estimate a training job's peak memory per rank without its hardware, or measure it here.
+
+    NGPU=64 python scripts/estimate_memory.py --job.config_file F [--section.key VALUE ...]
+
+builds the job's model and parallel layout with the trainer's own code (parallelize_llama) on fake
+tensors, over a fake process group of NGPU ranks (default 8), runs training steps under torch's
+MemTracker and prints the peak of a steady-state step (one after the optimizer state exists), per
+rank, split into parameters, gradients, optimizer state and activations. Nothing is allocated and
+no GPU is needed. Several --job.config_file give a row each, the other options applying to all.
+Blocks are alike, so a deep model is simulated at three small depths and extrapolated (exact when
+the three agree on a line, which is checked; --full_depth simulates every layer, slowly).
+FSDP, HSDP, DDP, TP, activation checkpointing and gradient accumulation are covered; pipeline
+parallelism is not (its schedules exchange real messages at set-up): measure it instead.
+
+    torchrun --nproc_per_node N scripts/estimate_memory.py --measure --job.config_file F [...]
+
+runs the same steps for real on this machine (NCCL on CUDA, gloo on CPU), PP included, and prints
+each rank's measured peak: torch.cuda.max_memory_allocated, or on CPU the peak of the bytes the CPU
+allocator holds, from the profiler's memory events.
+
+Counted: tensors, as the allocator sees them. Not counted: the CUDA context, NCCL buffers and the
+caching allocator's fragmentation (reserved over allocated), which together often add a few GiB.
+training.compile is not applied (so this is eager-mode memory, an upper bound for compiled blocks).
+"""
+
+import contextlib
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.profiler import ProfilerActivity, record_function
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from torchtitan.config_manager import ConfigError, JobConfig, parse_args, resolve_path  # noqa: E402
+from torchtitan.datasets.tokenizer import Tokenizer  # noqa: E402
+from torchtitan.distributed import clip_grad_norm_, init_distributed  # noqa: E402
+from torchtitan.models.llama import Transformer  # noqa: E402
+from torchtitan.optimizer import build_optimizer  # noqa: E402
+from torchtitan.parallelisms.parallel_dims import ParallelDims  # noqa: E402
+from torchtitan.parallelisms.parallelize_llama import (  # noqa: E402
+    DTYPES,
+    parallelize_llama,
+    set_grad_all_reduce,
+    validate_parallelism,
+)
+from torchtitan.parallelisms.pipeline_llama import pipeline_llama, validate_pipeline  # noqa: E402
+from train import MODEL_CONFIGS, gradient_accumulation_steps, loss_fn  # noqa: E402
+
+# MemTracker's memory kinds (FSDPMemTracker's finer ones included) -> the columns printed.
+# Gathered parameters and their all-gather buffers count as parameters, reduce-scatter buffers as
+# gradients, and the backward pass's temporaries (gradients of activations) as activations.
+COLUMNS = {
+    "Parameter": "params",
+    "Sharded Param": "params",
+    "Unsharded Param": "params",
+    "All Gather": "params",
+    "Buffer": "params",
+    "Gradient": "grads",
+    "Sharded Grad": "grads",
+    "Unsharded Grad": "grads",
+    "Reduce Scatter": "grads",
+    "Optstate": "optimizer",
+    "OptState": "optimizer",
+    "Activation": "activations",
+    "Temp": "activations",
+    "Inputs": "activations",
+    "Other": "activations",
+}
+GIB = 2**30
+
+
+class PeakTracker(FSDPMemTracker):
+    """FSDPMemTracker that follows the device-wide peak only: the base class also updates every
+    module's own peak at every op, a cost that grows with the square of the depth."""
+
+    def _update_peak_stats(self, peak_state) -> None:
+        for dev, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < snap["Total"]:
+                self._peak_mem[dev] = snap["Total"]
+                self._peak_mem_snap[dev] = dict(snap)
+
+
+class PeakMemTracker(MemTracker):
+    """MemTracker with the same shortcut, for models that are not one FSDP module."""
+
+    _update_peak_stats = PeakTracker._update_peak_stats
+
+
+def parallel_dims_of(cfg: JobConfig, world_size: int) -> ParallelDims:
+    """The layout, checked as train.py checks it before building anything."""
+    parallel_dims = ParallelDims(
+        dp_shard=cfg.parallelism.data_parallel_shard_degree,
+        world_size=world_size,
+        dp_replicate=cfg.parallelism.data_parallel_replicate_degree,
+        tp=cfg.parallelism.tensor_parallel_degree,
+        pp=cfg.parallelism.pipeline_parallel_degree,
+        enable_loss_parallel=cfg.parallelism.enable_loss_parallel,
+    )
+    flavors = MODEL_CONFIGS[cfg.model.name]
+    if cfg.model.flavor not in flavors:
+        raise ConfigError(
+            f"model.flavor: {cfg.model.name} has no flavor {cfg.model.flavor!r}; "
+            f"choose one of {', '.join(flavors)}"
+        )
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    validate_parallelism(cfg, parallel_dims, flavors[cfg.model.flavor], device_type)
+    if parallel_dims.pp_enabled:
+        validate_pipeline(cfg, flavors[cfg.model.flavor].n_layers)
+    gradient_accumulation_steps(cfg.training, parallel_dims)
+    return parallel_dims
+
+
+def vocab_size_of(cfg: JobConfig) -> int:
+    """The embedding rows train.py would use: max(model.vocab_size, the tokenizer's vocabulary).
+    The tokenizer file may be missing here when model.vocab_size is set."""
+    path = resolve_path(cfg.model.tokenizer_path)
+    if not os.path.isfile(path):
+        if cfg.model.vocab_size > 0:
+            return cfg.model.vocab_size
+        raise ConfigError(
+            f"model.tokenizer_path: no file {path}; give the vocabulary size instead, e.g. "
+            "--model.vocab_size 128256 for Llama 3's tokenizer"
+        )
+    return max(cfg.model.vocab_size, Tokenizer(path).n_words)
+
+
+def build_step(
+    cfg: JobConfig,
+    parallel_dims: ParallelDims,
+    world_mesh,
+    device: torch.device,
+    vocab_size: int,
+    fake_mode: FakeTensorMode | None = None,
+    n_layers: int | None = None,
+) -> tuple[list[torch.nn.Module], torch.optim.Optimizer, Callable[[], None], Callable[[], None]]:
+    """The rank's model parts and optimizer, built as train.py builds them, and the two halves of
+    one training step of the job on random tokens: forward and backward (with clipping), then the
+    optimizer step. With `fake_mode` the parameters are fake tensors (run the step under it too);
+    `n_layers` overrides the flavour's depth."""
+    model_args = replace(
+        MODEL_CONFIGS[cfg.model.name][cfg.model.flavor],
+        vocab_size=vocab_size,
+        max_seq_len=cfg.training.seq_len,
+    )
+    if n_layers is not None:
+        model_args = replace(model_args, n_layers=n_layers)
+    with torch.device("meta"):
+        model = Transformer.from_model_args(model_args)
+    if parallel_dims.pp_enabled:
+        pp_schedule, model_parts, has_first_stage, has_last_stage = pipeline_llama(
+            model, world_mesh, parallel_dims, cfg, device, loss_fn
+        )
+    else:
+        model_parts = [parallelize_llama(model, world_mesh, parallel_dims, cfg)]
+    with fake_mode or contextlib.nullcontext():
+        for part in model_parts:
+            part.to_empty(device=device)  # the weights' values do not matter here
+            part.train()
+    optimizer = build_optimizer(model_parts, cfg.optimizer)
+    params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
+    pp_mesh = world_mesh["pp"] if parallel_dims.pp_enabled else None
+    param_dtype = DTYPES[cfg.training.mixed_precision_param]
+    use_autocast = not parallel_dims.dp_enabled and param_dtype != torch.float32  # as in train.py
+    autocast = torch.autocast(device.type, param_dtype, enabled=use_autocast)
+    train_context = loss_parallel if parallel_dims.loss_parallel_enabled else contextlib.nullcontext
+    # Later micro-batches of an accumulation are alike: the first and the last stand for them all.
+    microbatches = min(gradient_accumulation_steps(cfg.training, parallel_dims), 2)
+    shape = (cfg.training.batch_size, cfg.training.seq_len)
+
+    def forward_backward(before_microbatch: Callable[[], None] = lambda: None) -> None:
+        optimizer.zero_grad()
+        for microbatch in range(microbatches):
+            before_microbatch()
+            inputs = torch.randint(0, vocab_size, shape, device=device)
+            labels = torch.randint(0, vocab_size, shape, device=device)
+            for part in model_parts:
+                set_grad_all_reduce(part, microbatch == microbatches - 1)
+            with train_context():
+                if parallel_dims.pp_enabled:
+                    targets = labels if has_last_stage else None
+                    with autocast:
+                        if has_first_stage:
+                            pp_schedule.step(inputs, target=targets, losses=[])
+                        else:
+                            pp_schedule.step(target=targets, losses=[])
+                else:
+                    with autocast:
+                        logits = model_parts[0](inputs)
+                    loss = loss_fn(logits, labels)
+                    del logits
+                    loss.backward()
+        clip_grad_norm_(params, cfg.training.max_norm, pp_mesh)
+
+    return model_parts, optimizer, forward_backward, optimizer.step
+
+
+def to_columns(snapshot: dict) -> dict[str, int]:
+    columns = dict.fromkeys(["params", "grads", "optimizer", "activations"], 0)
+    for kind, nbytes in snapshot.items():
+        name = getattr(kind, "value", kind)  # MemTracker's kinds are str enums
+        if name != "Total":
+            columns[COLUMNS.get(name, "activations")] += nbytes
+    columns["peak"] = snapshot["Total"]
+    return columns
+
+
+def estimate_phases(
+    cfg: JobConfig,
+    parallel_dims: ParallelDims,
+    world_size: int,
+    device: torch.device,
+    vocab: int,
+    n_layers: int | None = None,
+) -> list[dict[str, int]]:
+    """Rank 0's peak bytes, by column, in each half of a steady-state step (forward and backward,
+    then the optimizer step), on fake tensors and a fake process group. Without PP every rank
+    holds the same share (FSDP pads uneven shards), so rank 0 stands for all."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        # The mesh holds real (rank-list) tensors, so it is built outside fake mode.
+        world_mesh = parallel_dims.build_mesh(device.type) if world_size > 1 else None
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # the meta model is not fake
+        model_parts, optimizer, forward_backward, optimizer_step = build_step(
+            cfg, parallel_dims, world_mesh, device, vocab, fake_mode, n_layers
+        )
+
+        def new_tracker() -> MemTracker:
+            if len(model_parts) == 1 and isinstance(model_parts[0], FSDPModule):
+                return PeakTracker(model_parts[0], optimizer)
+            tracker = PeakMemTracker()
+            tracker.track_external(*model_parts, optimizer)
+            return tracker
+
+        phases = []
+        with fake_mode:
+            # A first, untracked step creates the optimizer state and fills DTensor's sharding
+            # caches: filling them runs ops on fake global-shape tensors that a tracker would count.
+            forward_backward()
+            optimizer_step()
+            with new_tracker() as tracker:
+                # FSDPMemTracker refuses a module's second forward (gradient accumulation) unless
+                # its per-module statistics, unused here, are cleared first.
+                forward_backward(tracker.reset_mod_stats)
+            phases.append(to_columns(tracker.get_tracker_snapshot("peak")[device]))
+            with new_tracker() as tracker:
+                optimizer_step()
+            phases.append(to_columns(tracker.get_tracker_snapshot("peak")[device]))
+    finally:
+        dist.destroy_process_group()
+    return phases
+
+
+def sample_depths(cfg: JobConfig, n_layers: int) -> list[int]:
+    """Three small depths, evenly spaced, that keep the structure of the full model: a whole number
+    of selective-AC periods, and more blocks than FSDP prefetches ahead. Empty when the model is
+    small enough to simulate whole."""
+    ac = cfg.activation_checkpoint
+    period = int(ac.selective_ac_option) if ac.mode == "selective" and ac.selective_ac_option.isdigit() else 1
+    prefetch = max(cfg.parallelism.fsdp_forward_prefetch, cfg.parallelism.fsdp_backward_prefetch)
+    first = period * -(-max(2, prefetch + 2) // period)
+    depths = [first, first + period, first + 2 * period]
+    return depths if depths[-1] < n_layers else []
+
+
+def estimate_rank(
+    cfg: JobConfig, parallel_dims: ParallelDims, world_size: int, device: torch.device, vocab: int, full: bool
+) -> tuple[dict[str, int], str]:
+    """Peak bytes per column of a steady-state step, and how they were obtained.
+
+    Every block of the model is alike, so each half of the step takes memory affine in the number
+    of blocks. Unless `full`, the halves are simulated at three small depths and, when the three
+    points are in line (checked to the byte), extrapolated to the model's depth; otherwise, and for
+    small models, the whole model is simulated."""
+    n_layers = MODEL_CONFIGS[cfg.model.name][cfg.model.flavor].n_layers
+    depths = [] if full else sample_depths(cfg, n_layers)
+    if depths:
+        samples = [estimate_phases(cfg, parallel_dims, world_size, device, vocab, d) for d in depths]
+        step = depths[1] - depths[0]
+        phases = []
+        for a, b, c in zip(*samples):
+            if any(c[k] - b[k] != b[k] - a[k] for k in a):
+                break
+            phases.append({k: a[k] + (b[k] - a[k]) * (n_layers - depths[0]) // step for k in a})
+        else:
+            how = f"extrapolated from {', '.join(map(str, depths))} layers"
+            return max(phases, key=lambda p: p["peak"]), how
+    phases = estimate_phases(cfg, parallel_dims, world_size, device, vocab)
+    why = " (the small depths were not in line)" if depths else ""
+    return max(phases, key=lambda p: p["peak"]), f"all {n_layers} layers simulated{why}"
+
+
+def layout_of(cfg: JobConfig, parallel_dims: ParallelDims) -> str:
+    degrees = [
+        ("dp_replicate", parallel_dims.dp_replicate),
+        ("dp_shard", parallel_dims.dp_shard),
+        ("tp", parallel_dims.tp),
+        ("pp", parallel_dims.pp),
+    ]
+    text = " ".join(f"{name}={d}" for name, d in degrees if d > 1) or "1 rank"
+    if cfg.activation_checkpoint.mode != "none":
+        text += f" ac={cfg.activation_checkpoint.mode}"
+    return f"{text} bs={cfg.training.batch_size}x{cfg.training.seq_len} {cfg.training.mixed_precision_param}"
+
+
+def row(cfg: JobConfig, layout: str, rank: object, values: list[object]) -> str:
+    name = f"{cfg.model.name} {cfg.model.flavor}" if isinstance(cfg, JobConfig) else cfg
+    cells = [f"{v / GIB:>8.3f}" if isinstance(v, int) else f"{v:>8}" for v in values]
+    return f"{name:<16} {layout:<48} {rank!s:>5} " + " ".join(cells)
+
+
+def estimate(configs: list[JobConfig], world_size: int, full: bool = False) -> None:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    jobs, notes = [], []
+    for cfg in configs:  # every job is checked before any is estimated
+        if cfg.training.compile:
+            cfg.training.compile = False
+            cfg.parallelism.enable_async_tensor_parallel = False
+            notes.append("training.compile was ignored: the figures are for eager mode")
+        parallel_dims = parallel_dims_of(cfg, world_size)
+        if parallel_dims.pp_enabled:
+            raise ConfigError(
+                "parallelism.pipeline_parallel_degree: pipeline schedules cannot run on fake tensors (their "
+                "set-up exchanges real messages between stages); measure the job with --measure instead"
+            )
+        jobs.append((cfg, parallel_dims, vocab_size_of(cfg)))
+    print(f"Estimated peak memory per rank (GiB) of a steady-state step, {world_size} ranks ({device.type}):")
+    print(row("model", "layout", "rank", ["params", "grads", "optim", "activ", "peak"]))
+    for cfg, parallel_dims, vocab in jobs:
+        start = time.perf_counter()
+        cols, how = estimate_rank(cfg, parallel_dims, world_size, device, vocab, full)
+        print(row(cfg, layout_of(cfg, parallel_dims), "all", list(cols.values())), flush=True)
+        notes.append(f"{cfg.model.flavor}: {how}, {time.perf_counter() - start:.1f}s")
+    print("; ".join(dict.fromkeys(notes)))
+
+
+def cpu_peak(prof: torch.profiler.profile, window: str) -> int:
+    """Peak of the bytes the CPU allocator held during the `window` record_function, from the
+    profiler's memory events (allocations made before the profiler started are not seen)."""
+    events = prof.profiler.kineto_results.events()
+    (marker,) = [e for e in events if e.name() == window]
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    live = sum(nbytes for t, nbytes in memory if t < marker.start_ns())
+    peak = live
+    for t, nbytes in memory:
+        if marker.start_ns() <= t <= marker.end_ns():
+            live += nbytes
+            peak = max(peak, live)
+    return peak
+
+
+def measure(cfg: JobConfig) -> None:
+    """Run the step for real on this machine's devices (under torchrun) and print each rank's peak."""
+    world_size, rank, device = init_distributed(cfg.comm.init_timeout_seconds)
+    cfg.training.compile = False
+    parallel_dims = parallel_dims_of(cfg, world_size)
+    world_mesh = parallel_dims.build_mesh(device.type) if world_size > 1 else None
+    vocab = vocab_size_of(cfg)
+
+    def step() -> None:
+        forward_backward()
+        optimizer_step()
+
+    if device.type == "cuda":
+        _, _, forward_backward, optimizer_step = build_step(cfg, parallel_dims, world_mesh, device, vocab)
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        with torch.profiler.profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            _, _, forward_backward, optimizer_step = build_step(cfg, parallel_dims, world_mesh, device, vocab)
+            step()
+            with record_function("measured step"):
+                step()
+        peak = cpu_peak(prof, "measured step")
+    peaks = [peak]
+    if world_size > 1:
+        peaks = [None] * world_size
+        dist.all_gather_object(peaks, peak)
+        dist.destroy_process_group()
+    if rank == 0:
+        print(
+            f"Measured peak memory per rank (GiB) of a steady-state step, {world_size} ranks ({device.type}):"
+        )
+        print(row("model", "layout", "rank", ["peak"]))
+        for r, p in enumerate(peaks):
+            print(row(cfg, layout_of(cfg, parallel_dims), r, [p]))
+
+
+def split_config_files(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the --job.config_file values, the other arguments)."""
+    files, rest, i = [], [], 0
+    while i < len(argv):
+        if argv[i] == "--job.config_file" and i + 1 < len(argv):
+            files.append(argv[i + 1])
+            i += 2
+            continue
+        if argv[i].startswith("--job.config_file="):
+            files.append(argv[i].split("=", 1)[1])
+        else:
+            rest.append(argv[i])
+        i += 1
+    return files, rest
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return 0
+    warnings.filterwarnings("ignore", message=".*Profiler won't be using warmup.*")
+    try:
+        files, rest = split_config_files([a for a in argv if a not in ("--measure", "--full_depth")])
+        configs = [parse_args(["--job.config_file", f, *rest]) for f in files] or [parse_args(rest)]
+        if "--measure" in argv:
+            if len(configs) > 1:
+                raise ConfigError("--measure: give one --job.config_file")
+            measure(configs[0])
+            return 0
+        ngpu = os.environ.get("NGPU", "8")
+        if not ngpu.isdigit() or int(ngpu) < 1:
+            raise ConfigError(f"NGPU: expected a positive number of ranks, got {ngpu!r}")
+        estimate(configs, int(ngpu), full="--full_depth" in argv)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""Sample text from a training run's checkpoint.
+
+    python scripts/generate.py --job.config_file F --job.dump_folder D [--prompt TEXT]
+        [--max_new_tokens N] [--temperature T] [--top_k K] [--seed S] [--section.key VALUE ...]
+
+The model, tokenizer and checkpoint come from the run's own options (any train.py option may be
+given, e.g. --checkpoint.load_step 200): the latest complete checkpoint in
+{dump_folder}/{checkpoint.folder}, a model_weights_only export included, else
+checkpoint.initial_load_path. One process, on the GPU if there is one. The text goes to stdout,
+the checkpoint's path to stderr.
+"""
+
+import argparse
+import difflib
+import os
+import sys
+import warnings
+from dataclasses import replace
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from torchtitan.checkpoint import list_checkpoints, saved_entries  # noqa: E402
+from torchtitan.config_manager import ConfigError, JobConfig, parse_args, resolve_path  # noqa: E402
+from torchtitan.datasets.tokenizer import Tokenizer  # noqa: E402
+from torchtitan.models.llama import Transformer  # noqa: E402
+from train import MODEL_CONFIGS  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="generate.py",
+        description="Sample text from a run's checkpoint. Every train.py option (--section.key VALUE) "
+        "is accepted too and selects the run: see `python train.py --help`.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
+    parser.add_argument("--max_new_tokens", type=int, default=100, help="tokens to sample (default 100)")
+    parser.add_argument(
+        "--temperature", type=float, default=1.0, help="softmax temperature; 0 picks the likeliest token"
+    )
+    parser.add_argument("--top_k", type=int, default=None, help="sample among the K likeliest tokens only")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="sampling seed: the same seed gives the same text"
+    )
+    return parser
+
+
+def checkpoint_path(cfg: JobConfig) -> str:
+    """The checkpoint a run would resume from, weights-only exports included."""
+    folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
+    steps = list_checkpoints(folder)
+    if cfg.checkpoint.load_step != -1:
+        if cfg.checkpoint.load_step not in steps:
+            raise ConfigError(
+                f"checkpoint.load_step: there is no complete checkpoint step-{cfg.checkpoint.load_step} in "
+                f"{folder}; available steps: {', '.join(map(str, steps)) or 'none'}"
+            )
+        return os.path.join(folder, f"step-{cfg.checkpoint.load_step}")
+    if steps:
+        return os.path.join(folder, f"step-{steps[-1]}")
+    if cfg.checkpoint.initial_load_path is not None:
+        return cfg.checkpoint.initial_load_path
+    raise ConfigError(
+        f"job.dump_folder: no checkpoint in {folder}; point it at a run trained with "
+        "checkpoint.enable_checkpoint, or set checkpoint.initial_load_path"
+    )
+
+
+def load_model(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device) -> Transformer:
+    """The model as train.py builds it (the vocabulary padded to model.vocab_size, the context of
+    training.seq_len), with the checkpoint's weights."""
+    flavors = MODEL_CONFIGS[cfg.model.name]
+    if cfg.model.flavor not in flavors:
+        raise ConfigError(f"model.flavor: {cfg.model.name} has no flavor {cfg.model.flavor!r}")
+    vocab_size = max(cfg.model.vocab_size, tokenizer.n_words)
+    model_args = replace(flavors[cfg.model.flavor], vocab_size=vocab_size, max_seq_len=cfg.training.seq_len)
+    path = checkpoint_path(cfg)
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise ConfigError(f"checkpoint: {path} is not a DCP checkpoint (no .metadata)")
+    with torch.device(device):
+        model = Transformer.from_model_args(model_args)  # random weights, then replaced
+    state = {"model": model.state_dict()}
+    saved = saved_entries(path)
+    for key, tensor in state["model"].items():
+        entry = saved.get(f"model.{key}")
+        if entry is None or tuple(entry.size) != tuple(tensor.shape):
+            raise ConfigError(
+                f"checkpoint: {path} does not hold {key} of shape {tuple(tensor.shape)}; was it saved with "
+                "another model.flavor or model.tokenizer_path?"
+            )
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    dcp.load(state, checkpoint_id=path)  # in place, converting an export's dtype
+    print(f"Loaded {cfg.model.name} {cfg.model.flavor} from {path}", file=sys.stderr)
+    return model.eval()
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator,
+    vocab_size: int,
+    stop_id: int | None = None,
+) -> list[int]:
+    """Sample up to `max_new_tokens` tokens after `prompt`, among the first `vocab_size` (the
+    tokenizer's: rows that pad the embedding are never picked). No KV cache: each token re-reads the
+    context (at most the model's max_seq_len tokens), which is simple and fine for a quick look."""
+    device = next(model.parameters()).device
+    tokens = torch.tensor([prompt], device=device)
+    new = []
+    for _ in range(max_new_tokens):
+        logits = model(tokens[:, -model.model_args.max_seq_len :])[0, -1, :vocab_size]
+        if temperature == 0:
+            next_id = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            next_id = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
+        if next_id == stop_id:
+            break
+        new.append(next_id)
+        tokens = torch.cat([tokens, torch.tensor([[next_id]], device=device)], dim=1)
+    return new
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        parser.print_help()
+        return 0
+    args, job_argv = parser.parse_known_args(argv)
+    try:
+        for arg in job_argv:  # train.py's options all have a section: --section.key
+            name = arg[2:].split("=", 1)[0]
+            if arg.startswith("--") and "." not in name:
+                own = [a.dest for a in parser._actions if a.dest != "help"]
+                match = difflib.get_close_matches(name, own, n=1)
+                hint = f"did you mean --{match[0]}?" if match else f"valid: --{', --'.join(own)}"
+                raise ConfigError(f"unknown option --{name}; {hint}")
+        if args.max_new_tokens < 1:
+            raise ConfigError(f"--max_new_tokens: must be >= 1, got {args.max_new_tokens}")
+        if args.temperature < 0:
+            raise ConfigError(f"--temperature: must be >= 0, got {args.temperature}")
+        if args.top_k is not None and args.top_k < 1:
+            raise ConfigError(f"--top_k: must be >= 1, got {args.top_k}")
+        cfg = parse_args(job_argv)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
+        model = load_model(cfg, tokenizer, device)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    prompt = tokenizer.encode(args.prompt, bos=True, eos=False)
+    new = generate(
+        model,
+        prompt,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        generator,
+        tokenizer.n_words,
+        tokenizer.eos_id,
+    )
+    print(args.prompt + tokenizer.decode(new))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Loss parity of parallel layouts with one process, on CPU (gloo), in fp32.
+
+Every layout trains the debug model for a few steps on the same global batches as a 1-process
+reference run (same global batch size) and must log the same per-step loss and gradient norm, within
+a tolerance: data, tensor and sequence parallelism, gradient accumulation, activation checkpointing
+and compilation change how the work is split, never what is computed.
+
+Usage: python scripts/parity_matrix.py [--only SUBSTRING ...] [--steps 10] [--tol 1e-5] [--keep DIR]
+
+Prints a table of the largest |loss - reference| and |grad_norm - reference| per layout and exits
+non-zero if any layout fails or differs by more than the tolerance. The full matrix takes about 10
+minutes on 2 CPU cores (4-process layouts and the cold torch.compile are the slow ones).
+"""
+
+import argparse
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from launch import read_metrics, run_train  # noqa: E402
+
+AC_FULL = ("--activation_checkpoint.mode", "full")
+AC_OP = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")
+AC_EVERY_2 = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2")
+COMPILE = ("--training.compile", "true")
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    nproc: int
+    batch_size: int  # per data-parallel rank and micro-batch
+    global_batch: int  # sequences per step; the reference runs them as one batch on one process
+    args: tuple[str, ...] = ()
+
+    def argv(self, steps: int) -> list[str]:
+        return [
+            "--training.steps",
+            str(steps),
+            "--training.batch_size",
+            str(self.batch_size),
+            "--training.global_batch_size",
+            str(self.global_batch),
+            *self.args,
+        ]
+
+
+def replicate(n: int) -> tuple[str, ...]:
+    return ("--parallelism.data_parallel_replicate_degree", str(n))
+
+
+def tp(n: int, loss_parallel: bool = True) -> tuple[str, ...]:
+    return (
+        "--parallelism.tensor_parallel_degree",
+        str(n),
+        "--parallelism.enable_loss_parallel",
+        str(loss_parallel).lower(),
+    )
+
+
+FSDP_KNOBS = (
+    "--parallelism.fsdp_reshard_after_forward",
+    "always",
+    "--parallelism.fsdp_forward_prefetch",
+    "2",
+    "--parallelism.fsdp_backward_prefetch",
+    "2",
+)
+
+MATRIX = [
+    Layout("FSDP 2", 2, 2, 4),
+    Layout("DDP 2", 2, 2, 4, replicate(2)),
+    Layout("HSDP 2x2", 4, 1, 4, replicate(2)),
+    Layout("TP 2 (SP, loss parallel)", 2, 4, 4, tp(2)),
+    Layout("TP 2 (SP, gathered logits)", 2, 4, 4, tp(2, loss_parallel=False)),
+    Layout("FSDP 2 x TP 2", 4, 2, 4, tp(2)),
+    Layout("DDP 2 x TP 2", 4, 2, 4, replicate(2) + tp(2)),
+    Layout("GA 2 x batch 2 (1 process)", 1, 2, 4),
+    Layout("FSDP 2 + GA 2", 2, 1, 4),
+    Layout("HSDP 2x2 + GA 2", 4, 1, 8, replicate(2)),
+    Layout("FSDP 2, reshard always, prefetch 2", 2, 2, 4, FSDP_KNOBS),
+    Layout("FSDP 2, reshard never", 2, 2, 4, ("--parallelism.fsdp_reshard_after_forward", "never")),
+    Layout("AC full", 1, 4, 4, AC_FULL),
+    Layout("AC selective op", 1, 4, 4, AC_OP),
+    Layout("AC selective every 2nd block", 1, 4, 4, AC_EVERY_2),
+    Layout("FSDP 2 x TP 2 + AC selective op", 4, 2, 4, tp(2) + AC_OP),
+    Layout("compile", 1, 4, 4, COMPILE),
+    Layout("compile + AC selective op", 1, 4, 4, COMPILE + AC_OP),
+]
+
+
+@dataclass
+class Result:
+    layout: Layout
+    max_loss_diff: float = float("nan")
+    max_grad_norm_diff: float = float("nan")
+    step1_loss_diff: float = float("nan")
+    seconds: float = 0.0
+    error: str | None = None
+
+    def ok(self, tol: float) -> bool:
+        return self.error is None and self.max_loss_diff <= tol and self.max_grad_norm_diff <= tol
+
+
+def run(folder: Path, nproc: int, argv: list[str]) -> tuple[list[dict] | None, str | None, float]:
+    """(per-step metrics, error, seconds) of one launch of train.py."""
+    start = time.perf_counter()
+    result = run_train(nproc, folder, *argv, timeout=900)
+    seconds = time.perf_counter() - start
+    if result.returncode != 0:
+        lines = (result.stderr or result.stdout).strip().splitlines() or ["no output"]
+        return None, f"exit {result.returncode}: {lines[-1]}", seconds
+    return read_metrics(folder), None, seconds
+
+
+def run_reference(folder: Path, global_batch: int, steps: int) -> list[dict]:
+    """The 1-process run every layout with this global batch size is compared with."""
+    metrics, error, _ = run(folder, 1, Layout("reference", 1, global_batch, global_batch).argv(steps))
+    if error is not None:
+        raise RuntimeError(f"the 1-process reference run failed: {error}")
+    return metrics
+
+
+def run_layout(layout: Layout, folder: Path, steps: int, reference: list[dict]) -> Result:
+    metrics, error, seconds = run(folder, layout.nproc, layout.argv(steps))
+    result = Result(layout, seconds=seconds, error=error)
+    if metrics is None:
+        return result
+    if [m["step"] for m in metrics] != [m["step"] for m in reference]:
+        result.error = "logged steps differ from the reference"
+        return result
+    result.max_loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(reference, metrics))
+    result.max_grad_norm_diff = max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(reference, metrics))
+    result.step1_loss_diff = abs(reference[0]["loss"] - metrics[0]["loss"])
+    return result
+
+
+def run_matrix(layouts: list[Layout], folder: Path, steps: int) -> list[Result]:
+    """Run the 1-process references (one per global batch size), then every layout against its one."""
+    references = {}
+    for batch in sorted({layout.global_batch for layout in layouts}):
+        references[batch] = run_reference(folder / f"reference-{batch}", batch, steps)
+        print(f"reference, global batch {batch}: done", flush=True)
+    results = []
+    for i, layout in enumerate(layouts):
+        results.append(run_layout(layout, folder / f"layout-{i}", steps, references[layout.global_batch]))
+        print(f"{layout.name}: {results[-1].error or 'done'} ({results[-1].seconds:.0f}s)", flush=True)
+    return results
+
+
+def format_table(results: list[Result], tol: float) -> str:
+    rows = [("layout", "procs", "max |dloss|", "max |dgrad_norm|", "step-1 |dloss|", "time", "")]
+    for r in results:
+        status = "ok" if r.ok(tol) else f"FAIL {r.error or ''}".strip()
+        rows.append(
+            (
+                r.layout.name,
+                str(r.layout.nproc),
+                f"{r.max_loss_diff:.2e}",
+                f"{r.max_grad_norm_diff:.2e}",
+                f"{r.step1_loss_diff:.2e}",
+                f"{r.seconds:.0f}s",
+                status,
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", default=[], help="run layouts whose name contains one of these")
+    parser.add_argument("--steps", type=int, default=10, help="training steps per run (default 10)")
+    parser.add_argument("--tol", type=float, default=1e-5, help="largest allowed difference (default 1e-5)")
+    parser.add_argument("--keep", type=Path, help="keep the runs' outputs in this folder")
+    args = parser.parse_args()
+    layouts = [layout for layout in MATRIX if not args.only or any(s in layout.name for s in args.only)]
+    if not layouts:
+        parser.error(f"no layout matches {args.only}")
+    with tempfile.TemporaryDirectory(prefix="parity-") as tmp:
+        results = run_matrix(layouts, args.keep or Path(tmp), args.steps)
+    print(format_table(results, args.tol))
+    failed = [r for r in results if not r.ok(args.tol)]
+    print(f"{len(results) - len(failed)}/{len(results)} layouts within {args.tol:g} of 1 process")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

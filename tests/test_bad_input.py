@@ -1,0 +1,359 @@
+"""Every kind of bad input stops the job with exit code 2 and one line naming the option or file (no
+traceback), before any heavy work, and leaves the dump folder exactly as it was.
+
+Most cases run train.run() in this process (what each rank runs); a few go through
+run_llama_train.sh end to end, where the preflight answers before torch is imported."""
+
+import gc
+import hashlib
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from launch import ROOT, TINY_JOB
+
+import train
+from torchtitan.safe_dcp import SafeLoadPlanner, SafeReader, read_checkpoint
+
+CKPT = ["--checkpoint.enable_checkpoint", "true"]
+
+
+def folder_hashes(folder: Path) -> dict[str, str]:
+    return {
+        str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A dump folder holding a real one-step run: checkpoint step-1 and metrics.jsonl."""
+    dump = tmp_path_factory.mktemp("trained")
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        code = train.run([*TINY_JOB, *CKPT, "--training.steps", "1", "--job.dump_folder", str(dump)])
+    finally:  # main() installs its stop-signal handlers and turns the garbage collector off
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        gc.enable()
+    assert code == 0
+    assert (dump / "checkpoint" / "step-1" / ".metadata").is_file()
+    return dump
+
+
+class Evil:
+    """Unpickling this runs a shell command: what a crafted checkpoint could do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def copy_checkpoint(trained: Path, dump: Path) -> Path:
+    shutil.copytree(trained / "checkpoint" / "step-1", dump / "checkpoint" / "step-1")
+    return dump / "checkpoint" / "step-1"
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@dataclass
+class Case:
+    """argv(tmp_path, dump, trained) -> extra arguments (and files written under tmp_path)."""
+
+    id: str
+    argv: object
+    message: str
+    env: dict | None = None
+
+
+def toml(text: str):
+    def argv(tmp, dump, trained):
+        (tmp / "job.toml").write_text(text)
+        return ["--job.config_file", str(tmp / "job.toml")]
+
+    return argv
+
+
+def args(*extra: str):
+    return lambda tmp, dump, trained: list(extra)
+
+
+def with_file(option: str, name: str, content: bytes | None):
+    """An option pointing at a file (or, with content None, a missing one) under tmp_path."""
+
+    def argv(tmp, dump, trained):
+        if content is not None:
+            (tmp / name).write_bytes(content)
+        return [option, str(tmp / name)]
+
+    return argv
+
+
+def empty_folder(option: str):
+    def argv(tmp, dump, trained):
+        (tmp / "empty").mkdir()
+        return [option, str(tmp / "empty")]
+
+    return argv
+
+
+def dump_elsewhere(make):
+    """job.dump_folder replaced by what make(tmp) returns."""
+    return lambda tmp, dump, trained: ["--job.dump_folder", str(make(tmp))]
+
+
+def file_at(tmp: Path) -> Path:
+    (tmp / "a_file").write_text("not a folder")
+    return tmp / "a_file"
+
+
+def checkpoint_folder_is_file(tmp, dump, trained):
+    (dump / "ckpt_file").write_text("x")
+    return [*CKPT, "--checkpoint.folder", "ckpt_file"]
+
+
+def trained_run(*extra: str):
+    """Resume from the trained run's own folder (which must not change)."""
+    return lambda tmp, dump, trained: [*CKPT, "--job.dump_folder", str(trained), *extra]
+
+
+def damaged(damage):
+    def argv(tmp, dump, trained):
+        damage(copy_checkpoint(trained, dump), tmp)
+        return list(CKPT)
+
+    return argv
+
+
+def evil_metadata(step_dir: Path, tmp: Path) -> None:
+    (step_dir / ".metadata").write_bytes(pickle.dumps(Evil(tmp / "pwned")))
+
+
+def evil_item(step_dir: Path, tmp: Path) -> None:
+    """A checkpoint whose data loader state holds a pickled payload instead of plain values."""
+    state = read_checkpoint(str(step_dir))
+    shutil.rmtree(step_dir)
+    state["dataloader.dataset_state.position"] = Evil(tmp / "pwned")
+    dcp.save(state, checkpoint_id=str(step_dir), no_dist=True)
+
+
+CASES = [
+    # The job file and the command line
+    Case(
+        "unknown section",
+        toml("[trainig]\nsteps = 1\n"),
+        "unknown TOML section [trainig]; did you mean 'training'?",
+    ),
+    Case(
+        "unknown key",
+        toml("[training]\nbatch_sise = 2\n"),
+        "unknown option 'batch_sise' in [training]; did you mean",
+    ),
+    Case("wrong type", toml("[training]\nsteps = '10'\n"), "training.steps: expected int, got str '10'"),
+    Case("float for int", toml("[training]\nseq_len = 64.5\n"), "training.seq_len: expected int"),
+    Case("out of range", toml("[optimizer]\nlr = -1.0\n"), "optimizer.lr: -1.0 is below the minimum 0.0"),
+    Case("not a choice", toml("[model]\nname = 'gpt2'\n"), "model.name: 'gpt2' is not one of llama2, llama3"),
+    Case(
+        "list item", toml("[checkpoint]\nexclude_from_loading = ['optimiser']\n"), "'optimiser' is not one of"
+    ),
+    Case("malformed toml", toml("[training\nsteps = 1\n"), "is not valid TOML"),
+    Case("section not a table", toml("training = 3\n"), "[training] must be a table"),
+    Case(
+        "missing config file",
+        args("--job.config_file", "/nonexistent/job.toml"),
+        "job.config_file: no such file",
+    ),
+    Case("unknown override", args("--training.stepz", "3"), "unknown option --training.stepz; did you mean"),
+    Case("override without value", args("--training.steps"), "expected one argument"),
+    Case("override not a number", args("--training.steps=ten"), "--training.steps: expected int, got 'ten'"),
+    Case("bool override", args("--training.deterministic", "maybe"), "expected true or false"),
+    Case("stray argument", args("steps=3"), "unrecognized arguments: steps=3"),
+    Case("seq_len zero", args("--training.seq_len", "0"), "--training.seq_len: 0 is below the minimum 1"),
+    Case(
+        "batch negative",
+        args("--training.batch_size", "-2"),
+        "--training.batch_size: -2 is below the minimum 1",
+    ),
+    Case("steps zero", args("--training.steps", "0"), "--training.steps: 0 is below the minimum 1"),
+    # Files
+    Case(
+        "missing tokenizer", with_file("--model.tokenizer_path", "tok.model", None), "model.tokenizer_path:"
+    ),
+    Case(
+        "empty tokenizer",
+        with_file("--model.tokenizer_path", "tok.model", b""),
+        "is empty; set model.tokenizer_path",
+    ),
+    Case("tokenizer is a folder", empty_folder("--model.tokenizer_path"), "model.tokenizer_path: "),
+    Case(
+        "malformed tokenizer",
+        with_file("--model.tokenizer_path", "tok.model", b"not base64 at all\n"),
+        "model.tokenizer_path: Malformed tokenizer file",
+    ),
+    Case(
+        "missing dataset", with_file("--training.dataset_path", "data.jsonl", None), "training.dataset_path:"
+    ),
+    Case("empty dataset", with_file("--training.dataset_path", "data.txt", b""), "training.dataset_path: "),
+    Case("empty dataset folder", empty_folder("--training.dataset_path"), "holds no files"),
+    Case(
+        "malformed dataset",
+        with_file("--training.dataset_path", "data.jsonl", b'{"text": "ok"}\n{"text": broken\n'),
+        "training.dataset_path: ",
+    ),
+    Case(
+        "unknown dataset",
+        args("--training.dataset", "wikipedia"),
+        "training.dataset: Unknown dataset 'wikipedia'",
+    ),
+    Case("unknown flavor", args("--model.flavor", "3B"), "model.flavor: llama3 has no flavor '3B'"),
+    # Parallel degrees against the world size
+    Case(
+        "degrees vs world size",
+        args("--parallelism.tensor_parallel_degree", "3"),
+        "parallelism: the world size 2 is not divisible",
+        env={"WORLD_SIZE": "2"},
+    ),
+    Case(
+        "shard degree vs world size",
+        args("--parallelism.data_parallel_shard_degree", "4"),
+        "degrees multiply to 4",
+    ),
+    # The dump folder
+    Case("dump folder is a file", dump_elsewhere(file_at), "job.dump_folder: "),
+    Case(
+        "dump folder inside a file",
+        dump_elsewhere(lambda tmp: file_at(tmp) / "run"),
+        "is a file, not a folder",
+    ),
+    Case(
+        "dump folder not writable",
+        dump_elsewhere(lambda tmp: Path("/proc/titan-run")),
+        "job.dump_folder: cannot",
+    ),
+    Case("checkpoint folder is a file", checkpoint_folder_is_file, "checkpoint.folder: "),
+    # Checkpoints
+    Case("load_step missing", trained_run("--checkpoint.load_step", "7"), "available steps: 1"),
+    Case(
+        "initial_load_path not a checkpoint",
+        args("--checkpoint.initial_load_path", "/tmp"),
+        "initial_load_path",
+    ),
+    Case(
+        "checkpoint of another model",
+        trained_run("--model.vocab_size", "4096"),
+        "tok_embeddings.weight with shape",
+    ),
+    Case("truncated metadata", damaged(lambda d, tmp: truncate(d / ".metadata")), "is damaged or not a DCP"),
+    Case("truncated data", damaged(lambda d, tmp: truncate(d / "__0_0.distcp")), "checkpoint: cannot load"),
+    Case("code in metadata", damaged(evil_metadata), "posix.system has no place in a checkpoint's metadata"),
+    Case("code in a saved item", damaged(evil_item), "is not plain data and is not loaded"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_one_line_and_changes_nothing(case, trained, tmp_path, capsys, monkeypatch):
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    (dump / "metrics.jsonl").write_text('{"step": 1, "loss": 8.0}\n')
+    extra = case.argv(tmp_path, dump, trained)
+    for key, value in (case.env or {}).items():
+        monkeypatch.setenv(key, value)
+    watched = [dump, trained]
+    before = [folder_hashes(folder) for folder in watched]
+    code = train.run([*TINY_JOB, "--job.dump_folder", str(dump), *extra])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    # Ours is the last line; a library may have printed a progress bar or warning before it.
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and err.endswith(errors[0] + "\n"), err
+    assert case.message in errors[0], err
+    assert "Traceback" not in err
+    assert [folder_hashes(folder) for folder in watched] == before
+    assert not (tmp_path / "pwned").exists(), "code from a checkpoint was run"
+
+
+def test_plain_dcp_would_run_code_from_a_checkpoint(tmp_path):
+    """Why SafeReader and SafeLoadPlanner exist: torch 2.13's DCP unpickles non-tensor items with
+    weights_only=False. (If a later torch stops doing so, this test tells us.)"""
+    dcp.save({"item": Evil(tmp_path / "ran")}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    with pytest.raises(dcp.CheckpointException, match="not plain data"):  # DCP wraps our ConfigError
+        dcp.load({"item": None}, storage_reader=SafeReader(str(tmp_path / "ckpt")), planner=SafeLoadPlanner())
+    assert not (tmp_path / "ran").exists()
+    dcp.load({"item": None}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    assert (tmp_path / "ran").exists()
+
+
+def test_project_state_loads_as_plain_data(trained):
+    """Every non-tensor item of a real checkpoint passes weights_only=True."""
+    state = read_checkpoint(str(trained / "checkpoint" / "step-1"))
+    plain = {key: value for key, value in state.items() if not isinstance(value, torch.Tensor)}
+    assert isinstance(plain["dataloader.dataset_state.position"], str)  # JSON
+    assert any(key.startswith("optimizer.param_groups.") for key in plain)
+
+
+def test_preflight_imports_no_torch():
+    code = "import sys, torchtitan.preflight, torchtitan.launcher; sys.exit('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT)
+    assert result.returncode == 0
+
+
+def run_script(tmp_path, *extra, env=None, timeout=300):
+    environment = {**os.environ, "NGPU": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    cmd = [
+        str(ROOT / "run_llama_train.sh"),
+        *TINY_JOB[2:],
+        "--job.dump_folder",
+        str(tmp_path / "dump"),
+        *extra,
+    ]
+    return subprocess.run(cmd, capture_output=True, text=True, env=environment, cwd=ROOT, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "extra, env, message",
+    [
+        (["--training.batch_sise", "2"], None, "error: unknown option --training.batch_sise; did you mean"),
+        (
+            ["--parallelism.tensor_parallel_degree", "3"],
+            {"NGPU": "2"},
+            "error: parallelism: the world size 2",
+        ),
+        ([], {"NGPU": "two"}, "error: NGPU: expected a number of processes, got 'two'"),
+        ([], {"CONFIG_FILE": "/nonexistent.toml"}, "error: job.config_file: no such file"),
+    ],
+    ids=["unknown option", "degrees vs NGPU", "NGPU not a number", "missing recipe"],
+)
+def test_launch_script_preflight(tmp_path, extra, env, message):
+    start = time.perf_counter()
+    result = run_script(tmp_path, *extra, env=env)
+    assert result.returncode == 2
+    assert result.stderr.strip() == result.stderr.strip().splitlines()[0], result.stderr
+    assert message in result.stderr
+    assert time.perf_counter() - start < 10  # no torch import, no worker
+    assert not (tmp_path / "dump").exists()
+
+
+def test_launch_script_worker_error_is_one_line(tmp_path):
+    """An error only a worker can see (it needs the model): the launcher passes on its exit code 2
+    without torchrun's ChildFailedError traceback."""
+    result = run_script(tmp_path, "--model.flavor", "3B")
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out
+    assert "Traceback" not in out and "ChildFailedError" not in out
+    assert [line for line in out.splitlines() if "error:" in line] == [
+        "[rank0]:error: model.flavor: llama3 has no flavor '3B'; choose one of debugmodel, 1B, 8B, 70B, 405B"
+    ]

@@ -1,0 +1,98 @@
+"""Checkpoint conversion: DCP -> one torch.save file, and DCP <-> Hugging Face Llama (checked against
+transformers' own LlamaForCausalLM)."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from scripts import convert_dcp_to_hf, convert_dcp_to_torch, convert_hf_to_dcp
+from torchtitan.checkpoint import read_model_weights
+from torchtitan.models.llama import ModelArgs, Transformer
+from torchtitan.models.llama.hf_convert import halves_to_interleaved, interleaved_to_halves
+
+# GQA (8 query heads sharing 2 kv heads) and Llama 3.1's scaled RoPE, with low frequencies that it scales.
+TINY_GQA = ModelArgs(
+    dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=96, multiple_of=32, rope_theta=500000,
+    use_scaled_rope=True, max_seq_len=32,
+)  # fmt: skip
+
+
+def random_model(args: ModelArgs) -> Transformer:
+    """Random values everywhere, norm weights included, so that no two parameters are alike."""
+    torch.manual_seed(0)
+    model = Transformer(args)
+    model.init_weights(seed=0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.1 if p.ndim > 1 else 1.0)
+    return model
+
+
+def test_rope_permutation_is_inverted():
+    w = torch.arange(24 * 5.0).view(24, 5)
+    permuted = interleaved_to_halves(w, n_heads=3)
+    # Head 0 holds rows 0..7: its RoPE pairs (0, 1), (2, 3), ... become halves (0, 2, 4, 6 | 1, 3, 5, 7).
+    assert permuted[:8, 0].tolist() == [0.0, 10.0, 20.0, 30.0, 5.0, 15.0, 25.0, 35.0]
+    assert torch.equal(halves_to_interleaved(permuted, n_heads=3), w)
+
+
+def test_dcp_to_hf_matches_transformers_and_round_trips(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    model = random_model(TINY_GQA)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    convert_dcp_to_hf.convert(str(tmp_path / "dcp"), str(tmp_path / "hf"), TINY_GQA)
+
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["num_key_value_heads"], config["intermediate_size"], config["vocab_size"]) == (2, 192, 96)
+    assert config["rope_theta"] == 500000 and config["rope_scaling"]["rope_type"] == "llama3"
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    tokens = torch.randint(0, TINY_GQA.vocab_size, (2, TINY_GQA.max_seq_len))
+    with torch.no_grad():
+        ours, theirs = model(tokens), hf_model(tokens).logits
+    assert (ours - theirs).abs().max() < 1e-5
+
+    # The same weights with plain RoPE give other logits: the check above can see a wrong config.
+    config["rope_scaling"] = None
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    plain = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (plain(tokens).logits - ours).abs().max() > 1e-3
+
+    convert_hf_to_dcp.convert(str(tmp_path / "hf"), str(tmp_path / "back"))
+    back = read_model_weights(str(tmp_path / "back"))
+    assert back.keys() == model.state_dict().keys()
+    for name, w in model.state_dict().items():
+        assert torch.equal(back[name], w), name
+
+
+def test_dcp_to_hf_command_line(tmp_path, capsys):
+    """The debug flavour by name, cast to bfloat16."""
+    args = ModelArgs(dim=256, n_layers=6, n_heads=16, rope_theta=500000, vocab_size=40)
+    dcp.save({"model": random_model(args).state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    convert_dcp_to_hf.main([str(tmp_path / "dcp"), str(tmp_path / "hf"), "--flavor", "debugmodel", "--dtype",
+                            "bfloat16"])  # fmt: skip
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16" and config["num_hidden_layers"] == 6
+    with pytest.raises(SystemExit):
+        convert_dcp_to_hf.main([str(tmp_path / "dcp"), str(tmp_path / "x"), "--flavor", "nosuch"])
+    assert "has no flavor 'nosuch'" in capsys.readouterr().err
+
+
+def test_dcp_to_torch_save_loads_with_weights_only(tmp_path):
+    from test_checkpoint import Run
+
+    run = Run(tmp_path, interval=1)
+    run.train(1)
+    output = tmp_path / "step-1.pt"
+    convert_dcp_to_torch.main([str(tmp_path / "checkpoint" / "step-1"), str(output)])
+    state = torch.load(output, weights_only=True)
+    assert set(state) == {"model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"}
+    assert torch.equal(state["model"]["output.weight"], run.model.output.weight)
+    assert state["train_state"]["step"] == 1 and state["dataloader"] == {"value": 2}
+    # The same as torch's own converter (which unpickles without restrictions).
+    dcp_to_torch_save(tmp_path / "checkpoint" / "step-1", tmp_path / "reference.pt")
+    reference = torch.load(tmp_path / "reference.pt", weights_only=True)
+    torch.testing.assert_close(state, reference, rtol=0, atol=0)

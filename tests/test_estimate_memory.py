@@ -1,0 +1,97 @@
+"""scripts/estimate_memory.py: its fake-tensor estimate against the peak measured in a real run."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from launch import ROOT
+
+SCRIPT = str(ROOT / "scripts" / "estimate_memory.py")
+# Parameters, optimizer state and activations all weigh: a 15M-parameter model (the vocabulary
+# padded to 16k rows) on 4 x 256 tokens.
+JOB = [
+    "--job.config_file",
+    str(ROOT / "train_configs" / "debug_model.toml"),
+    "--model.vocab_size",
+    "16384",
+    "--training.seq_len",
+    "256",
+    "--training.batch_size",
+    "4",
+]
+GIB = 2**30
+
+
+def run(cmd: list[str], ngpu: int = 1) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", NGPU=str(ngpu))
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+
+
+def rows(stdout: str, columns: int) -> list[list[float]]:
+    """The last `columns` numbers of each table row."""
+    lines = [line.split() for line in stdout.splitlines() if line.startswith("llama3")]
+    return [[float(x) for x in words[-columns:]] for words in lines]
+
+
+def estimate(ngpu: int, *args: str) -> list[float]:
+    """(params, grads, optimizer, activations, peak) in GiB."""
+    result = run([sys.executable, SCRIPT, *JOB, *args], ngpu)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    (row,) = rows(result.stdout, 5)
+    return row
+
+
+def measure(nproc: int, *args: str) -> list[float]:
+    """Each rank's measured peak in GiB."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    torchrun += ["--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
+    result = run([*torchrun, SCRIPT, "--measure", *JOB, *args])
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    return [row[0] for row in rows(result.stdout, 1)]
+
+
+@pytest.mark.parametrize(
+    "nproc, layout",
+    [(1, []), (2, []), (2, ["--parallelism.tensor_parallel_degree", "2"])],
+    ids=["one_process", "fsdp2", "tp2"],
+)
+def test_estimate_is_within_10_percent_of_the_measured_peak(nproc, layout):
+    params, grads, optimizer, activations, peak = estimate(nproc, *layout)
+    assert abs(params + grads + optimizer + activations - peak) < 0.005
+    measured = measure(nproc, *layout)
+    assert len(measured) == nproc
+    for rank_peak in measured:
+        assert abs(peak - rank_peak) <= 0.10 * rank_peak, (peak, measured)
+
+
+def test_extrapolated_depth_equals_the_whole_model():
+    """The 6-layer model simulated at 2, 3 and 4 layers and extrapolated, vs all 6 simulated."""
+    layout = ["--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "selective"]
+    layout += ["--activation_checkpoint.selective_ac_option", "op"]
+    assert estimate(4, *layout) == estimate(4, *layout, "--full_depth")
+
+
+def test_big_model_estimate_shards_parameters_and_optimizer_state():
+    """Llama 3 1B (1.50e9 parameters with Llama 3's vocabulary) over 8 FSDP ranks: each holds an
+    eighth of the fp32 parameters, and AdamW two fp32 states of its shard."""
+    params, grads, optimizer, activations, peak = estimate(
+        8,
+        "--model.flavor",
+        "1B",
+        "--model.vocab_size",
+        "128256",
+        "--training.mixed_precision_param",
+        "bfloat16",
+    )
+    shard = 1_498_482_688 * 4 / 8 / GIB
+    assert optimizer == pytest.approx(2 * shard, rel=0.01)
+    assert shard <= params < shard + 1.5  # plus the gathered bf16 blocks and root
+    assert peak == pytest.approx(params + grads + optimizer + activations, abs=0.005)
+
+
+def test_pipeline_parallel_is_refused_with_one_line():
+    result = run([sys.executable, SCRIPT, *JOB, "--parallelism.pipeline_parallel_degree", "2"], ngpu=2)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: parallelism.pipeline_parallel_degree: pipeline schedules cannot")
+    assert result.stderr.count("\n") == 1

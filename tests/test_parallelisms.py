@@ -1,0 +1,335 @@
+"""HSDP, TP/SP, activation checkpointing, compile wrappers and gradient accumulation: the checks that
+need no training run (validation, wrappers, init and gradient norms on a mesh, when gradients are
+all-reduced). Loss parity of whole training runs is in test_parity.py."""
+
+import collections
+import contextlib
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from launch import TINY_JOB
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torchtitan.config_manager import JobConfig, parse_args
+from torchtitan.distributed import clip_grad_norm_
+from torchtitan.models.init import clean_fqn
+from torchtitan.models.llama import ModelArgs, Transformer
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.parallelize_llama import (
+    apply_ac,
+    apply_compile,
+    parallelize_llama,
+    set_grad_all_reduce,
+)
+
+TINY = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=16)
+SEED = 3
+
+# ---------------------------------------------------------------------------------------------
+# Impossible layouts fail before any work, through train.py's own path (in-process)
+
+
+@pytest.mark.parametrize(
+    "world_size, argv, message",
+    [
+        (4, ["--parallelism.tensor_parallel_degree", "3"], "world size 4 is not divisible by the product"),
+        (
+            2,
+            ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+            "degrees multiply to 4 (replicate 1 x shard 2 x tp 2 x pp 1) but the world size is 2",
+        ),
+        (
+            3,
+            ["--parallelism.tensor_parallel_degree", "3"],
+            "3 does not divide the model's 16 attention heads",
+        ),
+        (
+            2,
+            ["--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "63"],
+            "training.seq_len: 63 is not divisible by tensor_parallel_degree 2",
+        ),
+        (
+            2,
+            [
+                "--parallelism.tensor_parallel_degree",
+                "2",
+                "--training.compile",
+                "true",
+                "--parallelism.enable_async_tensor_parallel",
+                "true",
+            ],
+            "enable_async_tensor_parallel: needs CUDA",
+        ),
+        (
+            1,
+            ["--training.batch_size", "4", "--training.global_batch_size", "6"],
+            "training.global_batch_size: 6 is not a multiple of batch_size x DP degree = 4 x 1",
+        ),
+        (
+            2,
+            ["--training.batch_size", "2", "--training.global_batch_size", "2"],
+            "training.global_batch_size: 2 is not a multiple of batch_size x DP degree = 2 x 2",
+        ),
+        (
+            1,
+            ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"],
+            "activation_checkpoint.selective_ac_option: expected 'op' or a positive integer, got 'x'",
+        ),
+    ],
+)
+def test_impossible_layout_fails_before_any_work(monkeypatch, capsys, world_size, argv, message):
+    import train  # here, not at the top: the processes spawned below need not import the trainer
+
+    def too_late(*args, **kwargs):
+        raise AssertionError("the layout was not rejected before the work started")
+
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setattr(train, "init_distributed", lambda timeout: (world_size, 0, torch.device("cpu")))
+    monkeypatch.setattr(ParallelDims, "build_mesh", too_late)
+    monkeypatch.setattr(train, "Tokenizer", too_late)
+    assert train.run([*TINY_JOB, *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1, err
+
+
+def test_gradient_accumulation_steps():
+    import train
+
+    dims = ParallelDims(dp_shard=2, dp_replicate=2, world_size=4)
+    config = parse_args(["--training.batch_size", "2"])
+    assert train.gradient_accumulation_steps(config.training, dims) == 1
+    config.training.global_batch_size = 8
+    assert train.gradient_accumulation_steps(config.training, dims) == 1
+    config.training.global_batch_size = 24
+    assert train.gradient_accumulation_steps(config.training, dims) == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation checkpointing and compile wrappers (one process)
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.__name__.split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_ops(mode: str, option: str) -> collections.Counter[str]:
+    """Ops run by backward: with checkpointing they include the recomputed forward ops."""
+    torch.manual_seed(0)
+    model = Transformer(TINY)
+    if mode != "none":
+        apply_ac(model, mode, option)
+    loss = model(torch.randint(0, TINY.vocab_size, (2, 16))).sum()
+    with _CountOps() as ops:
+        loss.backward()
+    return ops.counts
+
+
+def test_activation_checkpointing_recomputes_what_the_mode_says():
+    sdpa = "_scaled_dot_product_flash_attention_for_cpu"
+    none, full = _backward_ops("none", "1"), _backward_ops("full", "1")
+    op, every_2 = _backward_ops("selective", "op"), _backward_ops("selective", "2")
+    assert none[sdpa] == 0 and full[sdpa] == TINY.n_layers  # attention recomputed in every block
+    assert every_2[sdpa] == TINY.n_layers // 2  # ... in every other block
+    assert op[sdpa] == 0  # ... saved by op-level selective AC
+    recomputed_mm = {name: c["mm"] - none["mm"] for name, c in [("full", full), ("op", op), ("2", every_2)]}
+    assert recomputed_mm["full"] > 0
+    assert recomputed_mm["op"] == recomputed_mm["full"] // 2  # every other matmul is saved
+    assert recomputed_mm["2"] == recomputed_mm["full"] // 2
+
+
+def test_every_nth_block_is_checkpointed_by_layer_id():
+    model = Transformer(TINY)
+    apply_ac(model, "selective", "2")
+    wrapped = [i for i, block in model.layers.items() if hasattr(block, "_checkpoint_wrapped_module")]
+    assert wrapped == ["1", "3"]
+
+
+@pytest.mark.parametrize("mode, option", [("full", "1"), ("selective", "op"), ("selective", "3")])
+def test_wrappers_keep_checkpoint_fqns(mode, option):
+    with torch.device("meta"):
+        plain, wrapped = Transformer(TINY), Transformer(TINY)
+    apply_ac(wrapped, mode, option)
+    apply_compile(wrapped)
+    assert any("_orig_mod._checkpoint_wrapped_module" in name for name, _ in wrapped.named_parameters())
+    assert {clean_fqn(name) for name, _ in wrapped.named_parameters()} == set(dict(plain.named_parameters()))
+    assert set(get_model_state_dict(wrapped)) == set(get_model_state_dict(plain))
+
+
+# ---------------------------------------------------------------------------------------------
+# On a mesh of 4 processes (gloo): TP/SP and FSDP x TP init and gradient norms, and when HSDP and
+# DDP all-reduce gradients
+
+
+def _config(**parallelism) -> JobConfig:
+    config = JobConfig()
+    config.training.mixed_precision_param = "float32"
+    for name, value in parallelism.items():
+        setattr(config.parallelism, name, value)
+    return config
+
+
+def _build(args: ModelArgs, world_mesh, dims: ParallelDims, config: JobConfig) -> nn.Module:
+    with torch.device("meta"):
+        model = Transformer(args)
+    if world_mesh is not None:
+        parallelize_llama(model, world_mesh, dims, config)
+    model.to_empty(device="cpu")
+    model.init_weights(SEED)
+    return model
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """train.py's loss: mean next-token cross entropy."""
+    return F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+
+
+def _loss_and_grads(model: nn.Module, tokens: torch.Tensor, loss_parallel_enabled: bool):
+    """Loss, clipped-norm and full gradients after one forward/backward (as train.py computes them)."""
+    with loss_parallel() if loss_parallel_enabled else contextlib.nullcontext():
+        loss = _loss(model, tokens)
+        loss.backward()
+    norm = clip_grad_norm_([p for p in model.parameters()], max_norm=0.0)
+    grads = {clean_fqn(n): _full(p.grad) for n, p in model.named_parameters()}
+    return _full(loss), norm, grads
+
+
+class _CountCollectives:
+    """Counts gloo all-reduces and reduce-scatters, as FSDP2 issues them (through torch.distributed)."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        for name in ("all_reduce", "reduce_scatter_single"):
+            original = getattr(dist, name)
+            setattr(dist, name, self._counting(name, original))
+
+    def _counting(self, name, original):
+        def wrapper(*args, **kwargs):
+            self.counts[name] += 1
+            return original(*args, **kwargs)
+
+        return wrapper
+
+
+def _accumulate(model: nn.Module, batches: torch.Tensor, counter: _CountCollectives) -> list[dict[str, int]]:
+    """Two micro-batches as train.py runs them; the collectives each backward issued."""
+    per_microbatch = []
+    for i, tokens in enumerate(batches):
+        set_grad_all_reduce(model, i == len(batches) - 1)
+        counter.counts.clear()
+        (_loss(model, tokens) / len(batches)).backward()
+        per_microbatch.append(dict(counter.counts))
+    return per_microbatch
+
+
+def _mesh_worker(rank: int, world_size: int, tmp_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_dir}/store", rank=rank, world_size=world_size)
+    try:
+        results = {}
+        tokens = torch.randint(0, TINY.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+        for case, dims in {
+            "tp": ParallelDims(dp_shard=1, dp_replicate=2, tp=2, world_size=4, enable_loss_parallel=True),
+            "fsdp_tp": ParallelDims(dp_shard=2, tp=2, world_size=4, enable_loss_parallel=True),
+            "fsdp_tp_gathered": ParallelDims(dp_shard=2, tp=2, world_size=4, enable_loss_parallel=False),
+        }.items():
+            mesh = dims.build_mesh("cpu")
+            config = _config(tensor_parallel_degree=2, enable_loss_parallel=dims.enable_loss_parallel)
+            # "tp": TP only; each dp_replicate group works on its own (no data parallelism applied).
+            model_dims = replace(dims, dp_replicate=1, world_size=2) if case == "tp" else dims
+            model = _build(TINY, mesh, model_dims, config)
+            results[case] = {clean_fqn(n): _full(p) for n, p in model.named_parameters()}
+            results[f"{case}_placements"] = {
+                clean_fqn(n): tuple(p.placements) for n, p in model.named_parameters()
+            }
+            # Every dp rank gets the same batch, so the dp-averaged gradients are its gradients.
+            results[f"{case}_step"] = _loss_and_grads(model, tokens, dims.loss_parallel_enabled)
+
+        counter = _CountCollectives()
+        batches = torch.randint(0, TINY.vocab_size, (2, 2, 17), generator=torch.Generator().manual_seed(rank))
+        for case, dims in {
+            "hsdp": ParallelDims(dp_shard=2, dp_replicate=2, world_size=4),
+            "ddp": ParallelDims(dp_shard=1, dp_replicate=4, world_size=4),
+        }.items():
+            mesh = dims.build_mesh("cpu")
+            config = _config(data_parallel_replicate_degree=dims.dp_replicate)
+            model = _build(TINY, mesh, dims, config)
+            results[f"{case}_collectives"] = _accumulate(model, batches, counter)
+        if rank == 0:
+            torch.save(results, f"{tmp_dir}/results.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def mesh_results(tmp_path_factory):
+    tmp_dir = tmp_path_factory.mktemp("mesh4")
+    mp.spawn(_mesh_worker, args=(4, str(tmp_dir)), nprocs=4, join=True)
+    return torch.load(tmp_dir / "results.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def single():
+    model = _build(TINY, None, None, None)
+    tokens = torch.randint(0, TINY.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    return {clean_fqn(n): p.detach().clone() for n, p in model.named_parameters()}, _loss_and_grads(
+        model, tokens, False
+    )
+
+
+@pytest.mark.parametrize("case", ["tp", "fsdp_tp"])
+def test_init_with_tp_matches_single_process(mesh_results, single, case):
+    weights, _ = single
+    assert mesh_results[case].keys() == weights.keys()
+    for name, value in weights.items():
+        assert torch.equal(mesh_results[case][name], value), name
+
+
+def test_tp_plan_placements(mesh_results):
+    tp, fsdp_tp = mesh_results["tp_placements"], mesh_results["fsdp_tp_placements"]
+    assert tp["layers.0.attention.wq.weight"] == (Shard(0),)  # column-wise: a subset of heads
+    assert tp["layers.0.attention.wo.weight"] == (Shard(1),)  # row-wise
+    assert tp["layers.0.feed_forward.w2.weight"] == (Shard(1),)
+    assert tp["tok_embeddings.weight"] == (Shard(0),)  # row-wise: a slice of the vocabulary
+    assert tp["output.weight"] == (Shard(0),)  # vocabulary-sharded logits
+    assert tp["layers.0.attention_norm.weight"] == (Replicate(),)  # sequence parallel
+    assert fsdp_tp["layers.0.attention_norm.weight"] == (Shard(0), Replicate())
+    assert fsdp_tp["layers.0.attention.wo.weight"] == (Shard(0), Shard(1))
+
+
+@pytest.mark.parametrize("case", ["tp", "fsdp_tp", "fsdp_tp_gathered"])
+def test_tp_loss_grads_and_grad_norm_match_single_process(mesh_results, single, case):
+    """Sharded and replicated (norm) gradients each count once in the total norm."""
+    _, (loss, norm, grads) = single
+    got_loss, got_norm, got_grads = mesh_results[f"{case}_step"]
+    torch.testing.assert_close(got_loss, loss, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_norm.float(), norm.float(), rtol=1e-6, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("case", ["hsdp", "ddp"])
+def test_replicas_all_reduce_only_after_the_last_microbatch(mesh_results, case):
+    first, last = mesh_results[f"{case}_collectives"]
+    assert first.get("all_reduce", 0) == 0, first
+    assert last.get("all_reduce", 0) > 0, last
+    if case == "hsdp":  # gradients stay sharded: reduce-scattered within the replica every time
+        assert first["reduce_scatter_single"] == last["reduce_scatter_single"] > 0

@@ -1,0 +1,93 @@
+"""What the performance figures rest on: the FLOPs counted per token, the peak table, the 1B recipe."""
+
+import gc
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from launch import ROOT
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+import train
+from torchtitan.metrics import flops_per_token as flops_per_token_fn
+from torchtitan.metrics import peak_flops
+from torchtitan.models.llama import ModelArgs, Transformer, llama3_configs
+
+
+def test_flops_per_token_matches_the_flops_torch_counts():
+    """6N + attention equals the matmul FLOPs of a real forward + backward (GQA, SwiGLU, output
+    layer; the embedding lookup and norms do none). The attention term is 11% of the total here."""
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=64)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    batch, seq = 2, 64
+    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1))
+    # The math backend runs attention as matmuls, which the counter sees (unmasked, as the formula).
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    per_token = flops_per_token_fn(
+        model.num_params(exclude_embedding=True), args.n_layers, args.n_heads, args.dim // args.n_heads, seq
+    )
+    assert counter.get_total_flops() / (batch * seq) == pytest.approx(per_token, rel=5e-3)
+
+
+@pytest.mark.parametrize(
+    "name, dtype, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989e12),
+        ("NVIDIA H100 80GB HBM3", torch.float32, 67e12),
+        ("NVIDIA H100 PCIe", torch.bfloat16, 756e12),
+        ("NVIDIA H100 NVL", torch.bfloat16, 835e12),
+        ("NVIDIA H200", torch.bfloat16, 989e12),
+        ("NVIDIA H200 NVL", torch.bfloat16, 835e12),
+        ("NVIDIA GH200 480GB", torch.bfloat16, 989e12),
+        ("NVIDIA B200", torch.bfloat16, 2250e12),
+        ("NVIDIA GB200", torch.bfloat16, 2500e12),
+        ("NVIDIA GB200", torch.float32, None),
+        ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312e12),
+        ("AMD Instinct MI300X", torch.bfloat16, 1307.4e12),
+        ("NVIDIA H100", torch.bfloat16, None),  # which board? unknown rather than a guess
+        ("NVIDIA GeForce RTX 4090", torch.bfloat16, None),
+    ],
+)
+def test_peak_flops_per_device_and_dtype(monkeypatch, name, dtype, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_flops(torch.device("cuda", 0), dtype) == peak
+
+
+def test_peak_flops_unknown_where_it_would_be_wrong(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert peak_flops(torch.device("cpu"), torch.bfloat16) is None
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # TF32: the FP32 peak no longer applies
+    try:
+        assert peak_flops(torch.device("cuda", 0), torch.float32) is None
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+def test_llama3_1b_has_llama_3_2_1b_shape():
+    with torch.device("meta"):
+        model = Transformer(replace(llama3_configs["1B"], vocab_size=128256))
+    assert model.layers["0"].feed_forward.w1.weight.shape == (8192, 2048)
+    # Llama 3.2 1B has 1,235,814,400 parameters with the output layer tied to the embeddings.
+    assert model.num_params() == 1_235_814_400 + 128256 * 2048
+
+
+def test_vocab_size_pads_the_model_or_is_rejected(tmp_path, capsys):
+    job = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--job.dump_folder"]
+    tiny = ["--training.steps", "1", "--training.seq_len", "16", "--training.batch_size", "1"]
+    tiny += ["--checkpoint.enable_checkpoint", "false"]
+    assert train.run([*job, str(tmp_path / "small"), "--model.vocab_size", "100"]) == 2
+    err = capsys.readouterr().err
+    assert "model.vocab_size: 100 is smaller than the tokenizer's 2256 tokens" in err
+    try:
+        assert train.run([*job, str(tmp_path / "padded"), *tiny, "--model.vocab_size", "3000"]) == 0
+    finally:
+        gc.enable()  # main() turns automatic GC off for the loop
+    expected = 6 * (4 * 256**2 + 3 * 256 * 768 + 512) + 256 + 2 * 3000 * 256
+    assert f"Model llama3 debugmodel: {expected:,} parameters" in capsys.readouterr().out

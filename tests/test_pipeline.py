@@ -1,0 +1,268 @@
+"""Pipeline parallelism: stage splitting, validation, and loss parity with 1 process under torchrun."""
+
+import shutil
+
+import pytest
+import torch
+from launch import read_metrics, run_train
+from torch.distributed.pipelining.schedules import get_schedule_class
+
+from torchtitan.checkpoint import merge_model_parts
+from torchtitan.config_manager import ConfigError, JobConfig, Parallelism, default_of, parse_args
+from torchtitan.models.llama import ModelArgs, Transformer
+from torchtitan.parallelisms.pipeline_llama import split_model, stage_ids, stage_layers, validate_pipeline
+
+TINY = ModelArgs(dim=32, n_layers=6, n_heads=4, vocab_size=64, multiple_of=16, max_seq_len=16)
+
+
+def pp_config(
+    degree: int = 2, schedule: str = "1F1B", points: str = "", microbatches: int = 0, batch: int = 4
+):
+    argv = [
+        "--parallelism.pipeline_parallel_degree",
+        str(degree),
+        "--parallelism.pipeline_parallel_schedule",
+        schedule,
+        f"--parallelism.pipeline_parallel_split_points={points}",
+        "--training.batch_size",
+        str(batch),
+    ]
+    if microbatches:
+        argv += ["--parallelism.pipeline_parallel_microbatches", str(microbatches)]
+    return parse_args(argv)
+
+
+def as_lists(ranges: list[range]) -> list[list[int]]:
+    return [list(r) for r in ranges]
+
+
+def test_every_schedule_choice_is_a_torch_schedule():
+    choices = Parallelism.__dataclass_fields__["pipeline_parallel_schedule"].metadata["choices"]
+    for name in choices:
+        assert get_schedule_class(name).__name__ == "Schedule" + name
+    assert default_of(Parallelism.__dataclass_fields__["pipeline_parallel_schedule"]) in choices
+
+
+def test_even_split_gives_extra_layers_to_early_stages():
+    assert as_lists(stage_layers(pp_config(schedule="GPipe"), 6)) == [[0, 1, 2], [3, 4, 5]]
+    assert as_lists(stage_layers(pp_config(schedule="Interleaved1F1B"), 6)) == [[0, 1], [2, 3], [4], [5]]
+    assert as_lists(stage_layers(pp_config(degree=3, schedule="ZBVZeroBubble"), 6)) == [[i] for i in range(6)]
+
+
+def test_split_points_choose_the_stage_boundaries():
+    config = pp_config(schedule="Interleaved1F1B", points="layers.1,layers.2,layers.5")
+    assert as_lists(stage_layers(config, 6)) == [[0], [1], [2, 3, 4], [5]]
+    # Looped multi-stage schedules take any multiple of the degree: 3 stages per rank here.
+    config = pp_config(schedule="LoopedBFS", points="layers.1,layers.2,layers.3,layers.4,layers.5")
+    assert as_lists(stage_layers(config, 6)) == [[i] for i in range(6)]
+
+
+def test_stage_ids_loop_and_v():
+    assert stage_ids(0, 2, 1, "1F1B") == [0]
+    assert stage_ids(1, 4, 2, "Interleaved1F1B") == [1, 5]
+    assert stage_ids(0, 2, 2, "ZBVZeroBubble") == [0, 3]
+    assert stage_ids(1, 2, 2, "DualPipeV") == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"degree": 4, "schedule": "Interleaved1F1B", "batch": 8},
+            "parallelism.pipeline_parallel_degree: Interleaved1F1B on 4 ranks makes 8 stages but the model "
+            "has only 6 layers",
+        ),
+        ({"degree": 8, "schedule": "GPipe", "batch": 8}, "makes 8 stages but the model has only 6 layers"),
+        (
+            {"points": "layers.9"},
+            "parallelism.pipeline_parallel_split_points: 'layers.9' is not a layer that can start a stage; "
+            "use layers.1 to layers.5",
+        ),
+        ({"points": "layer.3"}, "'layer.3' is not a layer that can start a stage"),
+        ({"points": "layers.0"}, "'layers.0' is not a layer that can start a stage"),
+        (
+            {"schedule": "Interleaved1F1B", "points": "layers.4,layers.2,layers.5"},
+            "must be in increasing order without repeats",
+        ),
+        ({"points": "layers.2,layers.4"}, "2 points make 3 stages but 1F1B on 2 ranks needs 2 stages"),
+        (
+            {"schedule": "ZBVZeroBubble", "points": "layers.3"},
+            "1 points make 2 stages but ZBVZeroBubble on 2 ranks needs 4 stages",
+        ),
+        (
+            {"schedule": "Interleaved1F1B", "points": "layers.2,layers.4"},
+            "needs a multiple of 2 stages",
+        ),
+        (
+            {"microbatches": 3},
+            "parallelism.pipeline_parallel_microbatches: 3 micro-batches do not divide training.batch_size 4",
+        ),
+        ({"schedule": "Interleaved1F1B", "batch": 6}, "4 micro-batches do not divide training.batch_size 6"),
+    ],
+)
+def test_bad_pipeline_layout_is_a_one_line_error(kwargs, message):
+    with pytest.raises(ConfigError) as err:
+        validate_pipeline(pp_config(**kwargs), n_layers=6)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_split_backward_schedules_refuse_compile():
+    config = pp_config(schedule="ZBVZeroBubble")
+    config.training.compile = True
+    with pytest.raises(ConfigError, match="ZBVZeroBubble cannot run compiled blocks; set training.compile"):
+        validate_pipeline(config, n_layers=6)
+    config.parallelism.pipeline_parallel_schedule = "Interleaved1F1B"
+    validate_pipeline(config, n_layers=6)
+
+
+def test_unknown_schedule_is_a_config_error():
+    with pytest.raises(ConfigError, match="pipeline_parallel_schedule: 'Zigzag' is not one of GPipe, 1F1B"):
+        parse_args(["--parallelism.pipeline_parallel_schedule", "Zigzag"])
+
+
+def test_stages_keep_fqns_and_get_the_one_process_weights():
+    """Stages split from a meta model hold disjoint parts of it under the whole model's FQNs, and
+    the seeded init gives each the weights of the whole model; merged back, they are the model."""
+    whole = Transformer(TINY)
+    whole.init_weights(seed=3)
+    expected = dict(whole.named_parameters())
+    with torch.device("meta"):
+        meta = Transformer(TINY)
+    config = pp_config(schedule="Interleaved1F1B")
+    layers = stage_layers(config, TINY.n_layers)
+    stages = [split_model(meta, r, i == 0, i == len(layers) - 1) for i, r in enumerate(layers)]
+    seen = []
+    for stage in stages:
+        stage.to_empty(device="cpu")
+        stage.init_weights(seed=3)
+        for name, param in stage.named_parameters():
+            torch.testing.assert_close(param, expected[name], rtol=0, atol=0)
+            seen.append(name)
+    assert sorted(seen) == sorted(expected)
+
+    merged = merge_model_parts([stages[0], stages[3]])  # the V-shaped pair of rank 0
+    assert [n for n, _ in merged.named_parameters()] == (
+        ["tok_embeddings.weight"]
+        + [n for n in expected if n.startswith(("layers.0.", "layers.1.", "layers.5."))]
+        + ["norm.weight", "output.weight"]
+    )
+
+    tokens = torch.randint(0, TINY.vocab_size, (2, 8))
+    h = tokens
+    for stage in stages:
+        h = stage(h)
+    torch.testing.assert_close(h, whole(tokens), rtol=0, atol=0)
+
+
+def test_default_microbatches_is_the_number_of_stages():
+    assert JobConfig().parallelism.pipeline_parallel_microbatches is None
+    validate_pipeline(pp_config(schedule="Interleaved1F1B", batch=4), n_layers=6)  # 4 stages, 4 micro-batches
+
+
+# End-to-end under torchrun: 1 process with batch 4 against pipeline layouts with the same global
+# batch. name: (processes, per-rank batch, overrides).
+LAYOUTS = {
+    "gpipe": (2, 4, ["--parallelism.pipeline_parallel_schedule", "GPipe"]),
+    "1f1b_4mb": (2, 4, ["--parallelism.pipeline_parallel_microbatches", "4"]),
+    "interleaved_1f1b_split_points": (
+        2,
+        4,
+        [
+            "--parallelism.pipeline_parallel_schedule",
+            "Interleaved1F1B",
+            "--parallelism.pipeline_parallel_split_points",
+            "layers.1,layers.3,layers.5",
+        ],
+    ),
+    "looped_bfs": (2, 4, ["--parallelism.pipeline_parallel_schedule", "LoopedBFS"]),
+    "interleaved_zero_bubble": (2, 4, ["--parallelism.pipeline_parallel_schedule", "InterleavedZeroBubble"]),
+    "zbv_zero_bubble": (2, 4, ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
+    "dual_pipe_v": (2, 4, ["--parallelism.pipeline_parallel_schedule", "DualPipeV"]),
+    "pp2_fsdp2": (
+        4,
+        2,
+        [
+            "--parallelism.pipeline_parallel_schedule",
+            "Interleaved1F1B",
+            "--parallelism.pipeline_parallel_microbatches",
+            "2",
+        ],
+    ),
+    "pp2_tp2": (4, 4, ["--parallelism.tensor_parallel_degree", "2"]),
+}
+
+
+def check(result):
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("single")
+    check(run_train(1, folder, "--training.batch_size", "4"))
+    return read_metrics(folder)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pipeline_matches_single_process(tmp_path, single_process, layout):
+    """Per-step losses and gradient norms (clipping included) equal those of 1 process."""
+    nproc, batch, overrides = LAYOUTS[layout]
+    args = ["--training.batch_size", str(batch), "--parallelism.pipeline_parallel_degree", "2", *overrides]
+    check(run_train(nproc, tmp_path, *args))
+    pipelined = read_metrics(tmp_path)
+    assert [m["step"] for m in pipelined] == list(range(1, 11))
+    assert abs(single_process[0]["loss"] - pipelined[0]["loss"]) < 1e-6
+    for a, b in zip(single_process, pipelined, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-5, (a, b)
+
+
+def test_pipeline_checkpoint_resumes_bitwise_and_on_one_process(tmp_path):
+    """ZBV puts the first and last stages on rank 0: its checkpoint holds two model parts."""
+    args = [
+        "--training.steps",
+        "8",
+        "--training.batch_size",
+        "4",
+        "--checkpoint.enable_checkpoint",
+        "true",
+        "--checkpoint.interval",
+        "4",
+    ]
+    pp = [
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_schedule",
+        "ZBVZeroBubble",
+    ]
+    check(run_train(2, tmp_path / "straight", *args, *pp))
+    straight = {m["step"]: m["loss"] for m in read_metrics(tmp_path / "straight")}
+    for name, nproc, layout in (("pp", 2, pp), ("one", 1, [])):
+        shutil.copytree(tmp_path / "straight/checkpoint/step-4", tmp_path / name / "checkpoint/step-4")
+        result = run_train(nproc, tmp_path / name, *args, *layout)
+        check(result)
+        assert "Resumed from step 4" in result.stdout
+        resumed = {m["step"]: m["loss"] for m in read_metrics(tmp_path / name)}
+        assert sorted(resumed) == [5, 6, 7, 8]
+        for step, loss in resumed.items():
+            if name == "pp":
+                assert loss == straight[step], (step, loss, straight[step])
+            else:
+                assert abs(loss - straight[step]) < 1e-5, (step, loss, straight[step])
+
+
+def test_bad_pipeline_layout_stops_train_py_with_one_line(tmp_path):
+    result = run_train(
+        2,
+        tmp_path,
+        "--parallelism.pipeline_parallel_degree",
+        "2",
+        "--parallelism.pipeline_parallel_split_points",
+        "layers.7",
+    )
+    assert result.returncode != 0
+    assert (
+        "error: parallelism.pipeline_parallel_split_points: 'layers.7' is not a layer that can start a stage"
+        in result.stderr
+    )

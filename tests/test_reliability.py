@@ -1,0 +1,235 @@
+"""Preemption, crashes, dead and hung ranks, non-finite steps: end to end on CPU with 2 processes.
+
+The jobs come from scripts/chaos.py: 2 ranks started directly (the environment torchrun would give
+them), so that one rank can be signalled, stopped or killed alone."""
+
+import gc
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from launch import ROOT, read_metrics
+from torch.distributed.checkpoint.utils import _wrap_exception
+
+import train
+from scripts import chaos
+from torchtitan.config_manager import Comm
+from torchtitan.reliability import StopRequest, comm_failure_message
+from torchtitan.safe_dcp import read_checkpoint
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run every interrupted one must reproduce, bit for bit."""
+    folder = tmp_path_factory.mktemp("reference")
+    chaos.run_to_end(2, folder)
+    return folder
+
+
+def wait_for(condition, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
+def test_chaos_kills_then_resumes_exactly(reference, tmp_path):
+    """SIGKILL of every rank while a checkpoint is being written, then, in the relaunched job, of
+    rank 1 alone after a step: the job resumes each time from the last complete checkpoint and ends
+    exactly like the reference (scripts/chaos.py --trials N runs random variations of this)."""
+    mid_save = chaos.kill_once(2, tmp_path, "save", 0, [0, 1], 0.0)
+    assert "killed ranks [0, 1]" in mid_save, mid_save
+    one_rank = chaos.kill_once(2, tmp_path, "step", chaos.STEPS - 2, [1], 0.1)
+    assert "killed ranks [1]" in one_rank and "exit codes [4, -9]" in one_rank, one_rank
+    chaos.run_to_end(2, tmp_path)
+    chaos.compare(tmp_path, reference)
+
+
+def test_stop_signals_save_and_resume_exactly(reference, tmp_path):
+    """SIGTERM to the launcher (run_llama_train.sh, as a scheduler sends it): the workers finish the
+    step, save and exit 75. The next launch resumes exactly; SIGUSR1 to its rank 1 only: both ranks
+    still stop after the same step and save."""
+    args = [*chaos.JOB, "--checkpoint.interval", "100", "--job.dump_folder", str(tmp_path)]
+    env = {**os.environ, "NGPU": "2", "OMP_NUM_THREADS": "1"}
+    with open(tmp_path / "launcher.log", "w") as log:
+        launcher = subprocess.Popen(
+            [str(ROOT / "run_llama_train.sh"), *args], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+        )
+        wait_for(lambda: chaos.last_step((tmp_path / "launcher.log").read_text()) >= 2)
+        launcher.send_signal(signal.SIGTERM)
+        code = launcher.wait(120)
+    out = (tmp_path / "launcher.log").read_text()
+    assert code == 75, out[-3000:]
+    first_stop = chaos.last_step(out)
+    assert f"Stopped by SIGTERM after step {first_stop}; saved checkpoint step-{first_stop}" in out
+    assert first_stop < chaos.STEPS and "Traceback" not in out
+    assert chaos.complete_checkpoints(tmp_path) == [f"step-{first_stop}"]
+
+    job = chaos.Job(2, tmp_path, *args)
+    wait_for(lambda: chaos.last_step(job.output(0)) > first_stop)
+    job.signal([1], signal.SIGUSR1)
+    assert job.wait(120) == [75, 75], job.output(0)[-3000:]
+    second_stop = chaos.last_step(job.output(0))
+    assert f"Stopped by SIGUSR1 after step {second_stop}" in job.output(1)
+    assert f"Stopped by a signal on another rank after step {second_stop}" in job.output(0)
+    assert second_stop < chaos.STEPS
+
+    # Each launch resumed from the previous one's checkpoint: the losses are the reference's, bit for bit.
+    expected, logged = dict(chaos.losses(reference)), chaos.losses(tmp_path)
+    assert sorted(step for step, _ in logged) == list(range(1, second_stop + 1))
+    assert [loss for _, loss in logged] == [expected[step] for step, _ in logged]
+
+
+@pytest.mark.parametrize("fault", ["dead", "hung"])
+def test_survivor_exits_within_the_timeout(tmp_path, fault):
+    """Rank 1 killed (SIGKILL) or hung (SIGSTOP: alive, stuck) after step 2: rank 0 exits with code 4
+    and one line naming what it waited for, within comm.train_timeout_seconds, instead of hanging."""
+    timeout = 5
+    job = chaos.Job(
+        2,
+        tmp_path,
+        *chaos.JOB,
+        "--training.steps",
+        "1000",
+        "--checkpoint.enable_checkpoint",
+        "false",
+        "--comm.train_timeout_seconds",
+        str(timeout),
+    )
+    try:
+        wait_for(lambda: chaos.last_step(job.output(0)) >= 2)
+        job.signal([1], signal.SIGKILL if fault == "dead" else signal.SIGSTOP)
+        start = time.monotonic()
+        job.procs[0].wait(timeout + 60)
+        elapsed = time.monotonic() - start
+    finally:
+        job.kill()
+    out = job.output(0)
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert job.procs[0].returncode == 4, out[-3000:]
+    assert "Traceback" not in out and len(errors) == 1, out[-3000:]
+    if fault == "dead":  # gloo notices at once that the peer's socket closed
+        assert "a collective lost its connection to another rank" in errors[0]
+        assert elapsed < timeout + 30
+    else:
+        assert errors[0] == (
+            f"error: rank 0: a collective timed out after {timeout} s waiting for other ranks "
+            "(comm.train_timeout_seconds); a rank may have died or hung"
+        )
+        assert timeout - 1 < elapsed < timeout + 30
+
+
+def test_missing_rank_times_out_at_start(tmp_path):
+    """Rank 1 of 2 never starts: rank 0 gives up after comm.init_timeout_seconds, in one line."""
+    job = chaos.Job(1, tmp_path, *chaos.JOB, "--comm.init_timeout_seconds", "5", world_size=2)
+    assert job.wait(300) == [4], job.output()[-3000:]
+    errors = [line for line in job.output().splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: rank 0: timed out after comm.init_timeout_seconds = 5 s waiting for the other ranks to join; "
+        "a rank may have failed to start: check its output"
+    ]
+
+
+NONFINITE_JOB = [
+    *chaos.JOB[:2],
+    "--training.seq_len",
+    "64",
+    "--training.batch_size",
+    "2",
+    "--training.steps",
+    "3",
+    "--metrics.log_freq",
+    "10",
+    "--checkpoint.enable_checkpoint",
+    "true",
+    "--checkpoint.interval",
+    "1",
+    "--optimizer.lr",
+    "1e30",  # step 1's update makes the weights huge: every later gradient norm is NaN
+    "--lr_scheduler.warmup_steps",
+    "0",
+]
+
+
+def all_finite(path) -> bool:
+    state = read_checkpoint(str(path))
+    return all(
+        torch.isfinite(v).all()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.is_floating_point()
+    )
+
+
+def run_in_process(*argv: str) -> int:
+    """train.run() in this process (no interpreter start-up); undoes what main() sets globally."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        return train.run(list(argv))
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        gc.enable()
+
+
+def test_nonfinite_step_stops_before_saving(tmp_path, capsys):
+    assert run_in_process(*NONFINITE_JOB, "--job.dump_folder", str(tmp_path)) == 3
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: step 2: the gradient norm is not finite; stopped at step 2 without saving (the checkpoints "
+        "are from before it). Lower optimizer.lr, or set training.skip_nonfinite_steps to skip such steps"
+    ]
+    assert chaos.complete_checkpoints(tmp_path) == ["step-1"]
+    assert all_finite(tmp_path / "checkpoint" / "step-1")
+
+
+def test_nonfinite_steps_skipped_and_counted(tmp_path):
+    args = [*NONFINITE_JOB, "--training.skip_nonfinite_steps", "true", "--job.dump_folder", str(tmp_path)]
+    assert run_in_process(*args) == 0
+    assert [(r["step"], r["skipped_steps"]) for r in read_metrics(tmp_path)] == [(1, 0), (3, 2)]
+    first, last = (read_checkpoint(str(tmp_path / "checkpoint" / f"step-{s}")) for s in (1, 3))
+    assert all_finite(tmp_path / "checkpoint" / "step-3")
+    for key, value in first.items():  # no optimizer step after step 1: weights and moments unchanged
+        if key.startswith(("model.", "optimizer.state.")):
+            assert torch.equal(value, last[key]), key
+
+
+def test_stop_request_without_process_group():
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        request = StopRequest()
+        assert not request.agreed(torch.device("cpu"))
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert request.agreed(torch.device("cpu")) and request.signal_name == "SIGUSR1"
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def test_comm_failure_messages():
+    comm = Comm(init_timeout_seconds=300, train_timeout_seconds=10)
+    gloo_timeout = RuntimeError(
+        "[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv"
+    )
+    assert comm_failure_message(gloo_timeout, 3, comm) == (
+        "rank 3: a collective timed out after 10 s waiting for other ranks (comm.train_timeout_seconds); "
+        "a rank may have died or hung"
+    )
+    init_timeout = RuntimeError("Timed out waiting 300000ms for send operation to complete")
+    assert "(comm.init_timeout_seconds)" in comm_failure_message(init_timeout, 0, comm)
+    reset = RuntimeError(
+        "[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1947: Connection reset by peer."
+    )
+    assert "lost its connection to another rank (Connection reset by peer)" in comm_failure_message(
+        reset, 0, comm
+    )
+    try:  # a peer lost during a checkpoint save: DCP wraps the error (a BaseException)
+        raise reset
+    except RuntimeError as e:
+        wrapped = dcp.CheckpointException("save", {1: _wrap_exception(e)})
+    assert "lost its connection to another rank" in comm_failure_message(wrapped, 0, comm)
+    assert comm_failure_message(RuntimeError("CUDA out of memory"), 0, comm) is None
+    assert comm_failure_message(ValueError("Timed out waiting 5ms"), 0, comm) is None

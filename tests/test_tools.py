@@ -1,0 +1,133 @@
+"""scripts/plot_metrics.py and scripts/generate.py on the metrics and checkpoints of real runs."""
+
+import importlib.util
+import json
+import shutil
+
+import pytest
+import torch
+from launch import ROOT, run_train
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+plot_metrics = load_script("plot_metrics")
+generate = load_script("generate")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls on several threads crawl when the cores are busy (as the subprocesses' OMP=1)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two 6-step runs of the tiny job that differ in learning rate only. The first saves a full
+    checkpoint at step 3 and, at step 6, a bfloat16 weights-only export."""
+    base = tmp_path_factory.mktemp("runs")
+    common = ["--training.steps", "6", "--training.batch_size", "2"]
+    first = run_train(
+        1,
+        base / "a",
+        *common,
+        "--checkpoint.enable_checkpoint",
+        "true",
+        "--checkpoint.interval",
+        "3",
+        "--checkpoint.model_weights_only",
+        "true",
+        "--checkpoint.export_dtype",
+        "bfloat16",
+    )
+    second = run_train(1, base / "b", *common, "--optimizer.lr", "1e-4")
+    for result in (first, second):
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return base / "a", base / "b"
+
+
+def test_plot_overlays_runs_in_one_png(runs, tmp_path):
+    import matplotlib.image
+
+    out = tmp_path / "plot.png"
+    assert plot_metrics.main([str(runs[0]), str(runs[1]), "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    height, width, _ = matplotlib.image.imread(out).shape
+    assert (width, height) == (1440, 960)
+    assert plot_metrics.run_labels([str(runs[0]), str(runs[1] / "metrics.jsonl")]) == ["a", "b"]
+
+
+def test_compare_passes_on_equal_losses_and_fails_on_a_difference(runs, tmp_path, capsys):
+    a, b = (str(r) for r in runs)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copy(runs[0] / "metrics.jsonl", copy)
+    assert plot_metrics.main(["--compare", a, str(copy)]) == 0
+    assert "OK: largest loss difference 0.000e+00" in capsys.readouterr().out
+
+    assert plot_metrics.main(["--compare", a, b]) == 1  # another learning rate
+    assert "FAIL: loss differs by" in capsys.readouterr().out
+
+    records = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
+    records[3]["loss"] += 3e-5
+    (copy / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert plot_metrics.main(["--compare", a, str(copy), "--tol", "1e-5"]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL: loss differs by 3.000e-05 at step {records[3]['step']}" in out
+    assert plot_metrics.main(["--compare", a, str(copy), "--tol", "1e-4"]) == 0
+
+
+def test_compare_and_plot_report_a_missing_run(tmp_path, capsys):
+    assert plot_metrics.main(["--compare", str(tmp_path), str(tmp_path)]) == 2
+    assert plot_metrics.main([str(tmp_path / "nope"), "-o", str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err.count("no metrics.jsonl there") == 2
+
+
+def sample(run, capsys, *args: str) -> tuple[int, str]:
+    argv = [
+        "--job.config_file",
+        str(ROOT / "train_configs" / "debug_model.toml"),
+        "--job.dump_folder",
+        str(run),
+        "--training.seq_len",
+        "64",
+        "--prompt",
+        "And God said",
+        "--max_new_tokens",
+        "12",
+        *args,
+    ]
+    code = generate.main(argv)
+    return code, capsys.readouterr()
+
+
+def test_generate_is_deterministic_for_a_seed(runs, capsys):
+    code, first = sample(runs[0], capsys, "--seed", "0")
+    assert code == 0, first.err
+    assert "checkpoint/step-6" in first.err  # the latest: the weights-only bfloat16 export
+    assert first.out.startswith("And God said") and len(first.out.strip()) > len("And God said")
+    assert sample(runs[0], capsys, "--seed", "0")[1].out == first.out
+    assert sample(runs[0], capsys, "--seed", "1")[1].out != first.out
+
+
+def test_generate_from_an_earlier_step_and_bad_input(runs, capsys):
+    code, step3 = sample(runs[0], capsys, "--checkpoint.load_step", "3", "--temperature", "0")
+    assert code == 0 and "checkpoint/step-3" in step3.err
+    assert sample(runs[0], capsys, "--temperature", "0")[1].out != step3.out
+
+    code, result = sample(runs[0], capsys, "--checkpoint.load_step", "4")
+    assert code == 2
+    assert "checkpoint.load_step: there is no complete checkpoint step-4" in result.err
+    assert "available steps: 3, 6" in result.err
+    code, result = sample(runs[1], capsys)
+    assert code == 2 and "job.dump_folder: no checkpoint in" in result.err
+    code, result = sample(runs[0], capsys, "--max_new_token", "3")
+    assert code == 2 and "unknown option --max_new_token; did you mean --max_new_tokens?" in result.err

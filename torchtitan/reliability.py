@@ -1,0 +1,203 @@
+"""What keeps a weeks-long run from losing work: preemption signals, failed or hung peers and
+non-finite steps. The exit codes these lead to are listed in torchtitan/preflight.py and the README."""
+
+import contextlib
+import math
+import re
+import signal
+from collections.abc import Iterator
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from torchtitan.config_manager import Comm, ConfigError
+from torchtitan.logging import logger
+from torchtitan.preflight import EXIT_BAD_INPUT, EXIT_COMM_FAILURE, EXIT_NONFINITE, EXIT_PREEMPTED
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+@contextlib.contextmanager
+def bad_input(option: str) -> Iterator[None]:
+    """Turn an error reading a user's file (missing, malformed, empty) into a ConfigError naming the
+    option, so that it is reported in one line. Such errors are ValueErrors or OSErrors, or are
+    caused by one (a `datasets` DatasetGenerationError wraps pyarrow's ArrowInvalid, a ValueError)."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as e:
+        cause: BaseException | None = e
+        while cause is not None and not isinstance(cause, (ValueError, OSError)):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        detail = str(e) if cause is e else f"{e}: {cause}"
+        raise ConfigError(f"{option}: {' '.join(detail.split())}") from e
+
+
+class NonFiniteError(RuntimeError):
+    """A step produced a NaN or Inf loss or gradient norm (exit code 3)."""
+
+
+class StopRequest:
+    """SIGTERM or SIGUSR1 (SLURM sends either before a job is killed) asks the run to stop at the end of
+    a step, save a checkpoint and exit with EXIT_PREEMPTED.
+
+    A signal may reach some ranks only, or at different moments, and every rank must stop at the same
+    step (the save is collective). So each step, `agreed()` all-reduces a one-element flag over all
+    ranks; to keep the host from waiting on the device, the result is read one step later. A signal
+    therefore stops the run at the end of the step after the one it arrived in, at the latest."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._on_signal)
+        self._flag: torch.Tensor | None = None
+        self._result: torch.Tensor | None = None
+        self._ready: torch.cuda.Event | None = None
+        self._pending = False
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.signal_name is None:
+            self.signal_name = signal.Signals(signum).name
+
+    def agreed(self, device: torch.device) -> bool:
+        """Whether all ranks stop after this step. Every rank calls it once at the end of every step."""
+        if not dist.is_initialized():
+            return self.signal_name is not None
+        stop = False
+        if self._pending:
+            if self._ready is not None:
+                self._ready.synchronize()
+            stop = bool(self._result.item())
+        if self._flag is None:
+            self._flag = torch.zeros(1, dtype=torch.int32, device=device)
+            self._result = torch.zeros(1, dtype=torch.int32, pin_memory=device.type == "cuda")
+        # fill_ with a Python number launches a kernel: no host-device sync, unlike building a tensor.
+        self._flag.fill_(int(self.signal_name is not None))
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX)
+        self._result.copy_(self._flag, non_blocking=True)
+        if device.type == "cuda":
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        self._pending = True
+        return stop
+
+    def finish(self, step: int, saved: bool) -> int:
+        """Log why the run stops early, wait for the other ranks (so none is killed by the launcher
+        while another still commits the checkpoint) and return EXIT_PREEMPTED."""
+        what = self.signal_name or "a signal on another rank"
+        if saved:
+            logger.warning(
+                f"Stopped by {what} after step {step}; saved checkpoint step-{step}: launch the "
+                "same job again to resume"
+            )
+        else:
+            logger.warning(
+                f"Stopped by {what} after step {step}; checkpoint.enable_checkpoint is off, so "
+                "nothing was saved"
+            )
+        if dist.is_initialized():
+            dist.barrier()
+        return EXIT_PREEMPTED
+
+
+class NonFiniteGuard:
+    """Non-finite steps. By default the run stops with NonFiniteError naming the first step whose
+    gradient norm was NaN or Inf, before any checkpoint could hold its state; with `skip`
+    (training.skip_nonfinite_steps) such a step is dropped instead: no optimizer step, counted.
+
+    The gradient norm is the same on every rank (it is reduced over the whole model), so all ranks
+    decide alike, and it is non-finite whenever the loss is NaN. Skipping must read it before the
+    optimizer step: one host-device sync per step. Stopping need not: the first bad step is noted on
+    the device, and `check` reads it where the loop syncs anyway (logging steps) and before every
+    save, so the default keeps the hot loop free of syncs."""
+
+    def __init__(self, skip: bool) -> None:
+        self.skip = skip
+        self.skipped = 0
+        self._first_bad: torch.Tensor | None = None  # on the device: first bad step since `check`, or 0
+
+    def step_ok(self, step: int, grad_norm: torch.Tensor) -> bool:
+        """Whether the optimizer may step (always, unless skipping)."""
+        finite = torch.isfinite(grad_norm)
+        if not self.skip:
+            bad = torch.where(finite, 0, step)
+            self._first_bad = (
+                bad if self._first_bad is None else torch.where(self._first_bad > 0, self._first_bad, bad)
+            )
+            return True
+        if finite.item():
+            return True
+        self.skipped += 1
+        logger.warning(
+            f"Step {step}: gradient norm {grad_norm.item()}; skipped (no optimizer step), "
+            f"{self.skipped} skipped so far"
+        )
+        return False
+
+    def check(self, step: int, loss: float | None = None) -> None:
+        """Stop (raise) if a step so far had a non-finite gradient norm, or `loss` is not finite.
+        Call it at logging steps and before every save."""
+        if self.skip:
+            return
+        first_bad = int(self._first_bad.item()) if self._first_bad is not None else 0
+        self._first_bad = None
+        if first_bad:
+            raise NonFiniteError(
+                f"step {first_bad}: the gradient norm is not finite; stopped at step {step} without saving "
+                "(the checkpoints are from before it). Lower optimizer.lr, or set "
+                "training.skip_nonfinite_steps to skip such steps"
+            )
+        if loss is not None and not math.isfinite(loss):
+            raise NonFiniteError(
+                f"step {step}: the loss is {loss}; stopped without saving. Lower optimizer.lr, or set "
+                "training.skip_nonfinite_steps to skip steps whose gradient norm is not finite"
+            )
+
+
+_TIMED_OUT_MS = re.compile(r"Timed out waiting (\d+)ms")
+_PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Connection refused", re.IGNORECASE)
+
+
+def comm_failure_message(error: BaseException, rank: int, comm: Comm) -> str | None:
+    """One line for a collective that timed out or lost its peer, or None for any other error.
+
+    Gloo raises these in the waiting rank (its collectives honour the process group's timeout); NCCL's
+    watchdog instead aborts the process once the timeout has passed, with its own message naming the
+    collective. A failure inside a checkpoint save or load comes wrapped in DCP's CheckpointException."""
+    if not isinstance(error, (RuntimeError, dcp.CheckpointException)):
+        return None
+    text = str(error)
+    if isinstance(error, dist.DistStoreError) or ("Timed out" in text and "clients" in text):
+        return (
+            f"rank {rank}: timed out after comm.init_timeout_seconds = {comm.init_timeout_seconds} s waiting "
+            "for the other ranks to join; a rank may have failed to start: check its output"
+        )
+    if match := _TIMED_OUT_MS.search(text):
+        seconds = int(match.group(1)) / 1000
+        init = seconds == comm.init_timeout_seconds
+        option = "comm.init_timeout_seconds" if init else "comm.train_timeout_seconds"
+        return (
+            f"rank {rank}: a collective timed out after {seconds:g} s waiting for other ranks ({option}); "
+            "a rank may have died or hung"
+        )
+    if match := _PEER_LOST.search(text):
+        return (
+            f"rank {rank}: a collective lost its connection to another rank ({match.group(0)}); "
+            "a rank may have died: check its output"
+        )
+    return None
+
+
+def one_line_error(error: BaseException, rank: int, comm: Comm | None) -> tuple[int, str] | None:
+    """(exit code, message) for the failures reported in one line; None for unexpected ones."""
+    if isinstance(error, (ConfigError, FileNotFoundError)):
+        return EXIT_BAD_INPUT, str(error)
+    if isinstance(error, NonFiniteError):
+        return EXIT_NONFINITE, str(error)
+    message = comm_failure_message(error, rank, comm) if comm is not None else None
+    return (EXIT_COMM_FAILURE, message) if message else None
