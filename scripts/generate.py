@@ -25,6 +25,7 @@ from torchtitan.checkpoint import list_checkpoints, saved_entries  # noqa: E402
 from torchtitan.config_manager import ConfigError, JobConfig, parse_args, resolve_path  # noqa: E402
 from torchtitan.datasets.tokenizer import Tokenizer  # noqa: E402
 from torchtitan.models.llama import Transformer  # noqa: E402
+from torchtitan.safe_dcp import SafeLoadPlanner, SafeReader  # noqa: E402
 from train import MODEL_CONFIGS  # noqa: E402
 
 
@@ -91,7 +92,8 @@ def load_model(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device) -> Tr
                 "another model.flavor or model.tokenizer_path?"
             )
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    dcp.load(state, checkpoint_id=path)  # in place, converting an export's dtype
+    # In place, converting an export's dtype; the safe reader runs no code from the checkpoint's files.
+    dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
     print(f"Loaded {cfg.model.name} {cfg.model.flavor} from {path}", file=sys.stderr)
     return model.eval()
 
