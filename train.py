@@ -34,7 +34,7 @@ from torchtitan.parallelisms.parallelize_llama import (
     validate_parallelism,
 )
 from torchtitan.parallelisms.pipeline_llama import pipeline_llama, validate_pipeline
-from torchtitan.preflight import EXIT_OK, check_job, debug_enabled
+from torchtitan.preflight import EXIT_COMM_FAILURE, EXIT_OK, check_job, debug_enabled
 from torchtitan.profiling import maybe_enable_memory_snapshot, maybe_enable_profiling, validate_profiling
 from torchtitan.reliability import NonFiniteGuard, StopRequest, bad_input, one_line_error
 
@@ -310,6 +310,12 @@ def run(argv: list[str] | None = None) -> int:
         if known is None or debug_enabled():
             raise
         print(f"error: {known[1]}", file=sys.stderr)
+        if known[0] == EXIT_COMM_FAILURE:
+            # A process group that lost a peer cannot be torn down: destroying it (or letting the
+            # interpreter do so at exit) can abort the process and replace this exit code by SIGABRT.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(known[0])
         return known[0]
     finally:
         if torch.distributed.is_initialized():
