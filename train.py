@@ -293,6 +293,9 @@ def main(job_config: JobConfig) -> int:
     metric_logger.close()
     if train_state.step < cfg.training.steps:
         return stop_request.finish(train_state.step, saved=checkpoint.enabled)
+    if torch.distributed.is_initialized():
+        # Ranks that tear their process group down while a peer still uses it can abort at exit.
+        torch.distributed.barrier()
     logger.info("Training completed")
     return EXIT_OK
 
