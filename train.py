@@ -64,6 +64,30 @@ def gradient_accumulation_steps(training: Training, parallel_dims: ParallelDims)
     return training.global_batch_size // per_pass
 
 
+def check_layout(cfg: JobConfig, world_size: int, device_type: str) -> ParallelDims:
+    """The job's parallel degrees, checked (with the flavour, the pipeline split and the batch
+    arithmetic) before anything is built: a ConfigError names the first bad option."""
+    parallel_dims = ParallelDims(
+        dp_shard=cfg.parallelism.data_parallel_shard_degree,
+        world_size=world_size,
+        dp_replicate=cfg.parallelism.data_parallel_replicate_degree,
+        tp=cfg.parallelism.tensor_parallel_degree,
+        pp=cfg.parallelism.pipeline_parallel_degree,
+        enable_loss_parallel=cfg.parallelism.enable_loss_parallel,
+    )
+    flavors = MODEL_CONFIGS[cfg.model.name]
+    if cfg.model.flavor not in flavors:
+        raise ConfigError(
+            f"model.flavor: {cfg.model.name} has no flavor {cfg.model.flavor!r}; "
+            f"choose one of {', '.join(flavors)}"
+        )
+    validate_parallelism(cfg, parallel_dims, flavors[cfg.model.flavor], device_type)
+    if parallel_dims.pp_enabled:
+        validate_pipeline(cfg, flavors[cfg.model.flavor].n_layers)
+    gradient_accumulation_steps(cfg.training, parallel_dims)
+    return parallel_dims
+
+
 def set_determinism(seed: int, deterministic: bool) -> None:
     torch.manual_seed(seed)
     if deterministic:
@@ -83,24 +107,8 @@ def main(job_config: JobConfig) -> int:
     if cfg.job.print_args:
         logger.info(f"Configuration: {cfg.to_dict()}")
 
-    parallel_dims = ParallelDims(
-        dp_shard=cfg.parallelism.data_parallel_shard_degree,
-        world_size=world_size,
-        dp_replicate=cfg.parallelism.data_parallel_replicate_degree,
-        tp=cfg.parallelism.tensor_parallel_degree,
-        pp=cfg.parallelism.pipeline_parallel_degree,
-        enable_loss_parallel=cfg.parallelism.enable_loss_parallel,
-    )
-    flavors = MODEL_CONFIGS[cfg.model.name]
-    if cfg.model.flavor not in flavors:
-        raise ConfigError(
-            f"model.flavor: {cfg.model.name} has no flavor {cfg.model.flavor!r}; "
-            f"choose one of {', '.join(flavors)}"
-        )
-    validate_parallelism(cfg, parallel_dims, flavors[cfg.model.flavor], device.type)
+    parallel_dims = check_layout(cfg, world_size, device.type)
     validate_profiling(cfg.profiling, device)
-    if parallel_dims.pp_enabled:
-        validate_pipeline(cfg, flavors[cfg.model.flavor].n_layers)
     grad_accum_steps = gradient_accumulation_steps(cfg.training, parallel_dims)
     world_mesh = parallel_dims.build_mesh(device.type) if world_size > 1 else None
     set_collective_timeout(cfg.comm.init_timeout_seconds)  # the mesh's groups too
@@ -127,7 +135,7 @@ def main(job_config: JobConfig) -> int:
             dp_rank=dp_rank,
         )
 
-    model_args = flavors[cfg.model.flavor]
+    model_args = MODEL_CONFIGS[cfg.model.name][cfg.model.flavor]
     model_args.vocab_size = max(cfg.model.vocab_size, tokenizer.n_words)
     model_args.max_seq_len = cfg.training.seq_len
     with torch.device("meta"):

@@ -6,11 +6,13 @@ builds the job's model and parallel layout with the trainer's own code (parallel
 tensors, over a fake process group of NGPU ranks (default 8), runs training steps under torch's
 MemTracker and prints the peak of a steady-state step (one after the optimizer state exists), per
 rank, split into parameters, gradients, optimizer state and activations. Nothing is allocated and
-no GPU is needed. Several --job.config_file give a row each, the other options applying to all.
-Blocks are alike, so a deep model is simulated at three small depths and extrapolated (exact when
-the three agree on a line, which is checked; --full_depth simulates every layer, slowly).
-FSDP, HSDP, DDP, TP, activation checkpointing and gradient accumulation are covered; pipeline
-parallelism is not (its schedules exchange real messages at set-up): measure it instead.
+no GPU is needed. Several --job.config_file give a row each, the other options applying to all;
+with pipeline parallelism each pipeline rank gets a row (their stages and in-flight micro-batches
+differ). Blocks are alike, so a deep model is simulated at three small depths and extrapolated
+(exact when the three agree on a line, which is checked; --full_depth simulates every layer,
+slowly); the simulations run side by side, one process each, on the machine's CPUs. Every layout
+the trainer runs is covered: FSDP, HSDP, DDP, TP, PP (every schedule), activation checkpointing
+and gradient accumulation.
 
     torchrun --nproc_per_node N scripts/estimate_memory.py --measure --job.config_file F [...]
 
@@ -24,22 +26,30 @@ training.compile is not applied (so this is eager-mode memory, an upper bound fo
 """
 
 import contextlib
+import copy
+import itertools
+import logging
+import multiprocessing
 import os
 import sys
 import time
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.profiler import ProfilerActivity, record_function
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._pytree import tree_map_only
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from torchtitan.config_manager import ConfigError, JobConfig, parse_args, resolve_path  # noqa: E402
@@ -48,14 +58,14 @@ from torchtitan.distributed import clip_grad_norm_, init_distributed  # noqa: E4
 from torchtitan.models.llama import Transformer  # noqa: E402
 from torchtitan.optimizer import build_optimizer  # noqa: E402
 from torchtitan.parallelisms.parallel_dims import ParallelDims  # noqa: E402
-from torchtitan.parallelisms.parallelize_llama import (  # noqa: E402
-    DTYPES,
-    parallelize_llama,
-    set_grad_all_reduce,
-    validate_parallelism,
+from torchtitan.parallelisms.parallelize_llama import DTYPES, parallelize_llama, set_grad_all_reduce  # noqa: E402
+from torchtitan.parallelisms.pipeline_llama import (  # noqa: E402
+    num_microbatches,
+    pipeline_llama,
+    split_model,
+    stage_layers,
 )
-from torchtitan.parallelisms.pipeline_llama import pipeline_llama, validate_pipeline  # noqa: E402
-from train import MODEL_CONFIGS, gradient_accumulation_steps, loss_fn  # noqa: E402
+from train import MODEL_CONFIGS, check_layout, gradient_accumulation_steps, loss_fn  # noqa: E402
 
 # MemTracker's memory kinds (FSDPMemTracker's finer ones included) -> the columns printed.
 # Gathered parameters and their all-gather buffers count as parameters, reduce-scatter buffers as
@@ -80,9 +90,34 @@ COLUMNS = {
 GIB = 2**30
 
 
-class PeakTracker(FSDPMemTracker):
-    """FSDPMemTracker that follows the device-wide peak only: the base class also updates every
-    module's own peak at every op, a cost that grows with the square of the depth."""
+class ForwardOnlyModTracker(ModTracker):
+    """ModTracker that follows modules through their forward only, hooking no gradients (it shows
+    them detached tensors). Its gradient hooks keep the gradients they see until every input of a
+    module has one, which never happens when a pipeline schedule splits backward into an input pass
+    and a weight pass (ZBVZeroBubble, DualPipeV, InterleavedZeroBubble): in the estimate those
+    gradients would stay alive. Backward memory is still told apart by the autograd engine state."""
+
+    def _fw_pre_hook(self, mod, input):
+        super()._fw_pre_hook(mod, tree_map_only(torch.Tensor, torch.Tensor.detach, input))
+
+    def _fw_post_hook(self, mod, input, output):
+        super()._fw_post_hook(mod, input, tree_map_only(torch.Tensor, torch.Tensor.detach, output))
+
+
+class PeakOnly:
+    """For MemTracker and FSDPMemTracker: follow the device-wide peak only. They also keep
+    per-module statistics, unused here: they update every module's own peak at every op (a cost
+    that grows with the square of the depth) and refuse a module's second forward in a step
+    (gradient accumulation, pipeline micro-batches). Here a module's statistics are dropped when it
+    runs forward again."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._mod_tracker = ForwardOnlyModTracker()
+
+    def reset_peak(self) -> None:
+        self._peak_mem_snap = self.get_tracker_snapshot()
+        self._peak_mem = {dev: snap["Total"] for dev, snap in self._peak_mem_snap.items()}
 
     def _update_peak_stats(self, peak_state) -> None:
         for dev, snap in self._curr_mem_snap.items():
@@ -91,34 +126,31 @@ class PeakTracker(FSDPMemTracker):
                 self._peak_mem_snap[dev] = dict(snap)
 
 
-class PeakMemTracker(MemTracker):
-    """MemTracker with the same shortcut, for models that are not one FSDP module."""
+class PeakTracker(PeakOnly, FSDPMemTracker):
+    """For FSDP models, also several (a rank's pipeline stages)."""
 
-    _update_peak_stats = PeakTracker._update_peak_stats
+    def __init__(self, model_parts: list[FSDPModule], optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(model_parts[0], optimizer)
+        self._root_mod = torch.nn.ModuleList(model_parts)  # the modules it instruments
+
+    def _fsdp_state_pre_forward(self, fsdp_mod, orig_fsdp_state_pre_fw):
+        pre_forward = super()._fsdp_state_pre_forward(fsdp_mod, orig_fsdp_state_pre_fw)
+
+        def forget_last_forward(*args, **kwargs):
+            if not self._mod_tracker.is_bw:  # a forward recomputed by AC is part of the same one
+                self.memory_tracking.pop(fsdp_mod, None)
+            return pre_forward(*args, **kwargs)
+
+        return forget_last_forward
 
 
-def parallel_dims_of(cfg: JobConfig, world_size: int) -> ParallelDims:
-    """The layout, checked as train.py checks it before building anything."""
-    parallel_dims = ParallelDims(
-        dp_shard=cfg.parallelism.data_parallel_shard_degree,
-        world_size=world_size,
-        dp_replicate=cfg.parallelism.data_parallel_replicate_degree,
-        tp=cfg.parallelism.tensor_parallel_degree,
-        pp=cfg.parallelism.pipeline_parallel_degree,
-        enable_loss_parallel=cfg.parallelism.enable_loss_parallel,
-    )
-    flavors = MODEL_CONFIGS[cfg.model.name]
-    if cfg.model.flavor not in flavors:
-        raise ConfigError(
-            f"model.flavor: {cfg.model.name} has no flavor {cfg.model.flavor!r}; "
-            f"choose one of {', '.join(flavors)}"
-        )
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    validate_parallelism(cfg, parallel_dims, flavors[cfg.model.flavor], device_type)
-    if parallel_dims.pp_enabled:
-        validate_pipeline(cfg, flavors[cfg.model.flavor].n_layers)
-    gradient_accumulation_steps(cfg.training, parallel_dims)
-    return parallel_dims
+class PeakMemTracker(PeakOnly, MemTracker):
+    """For models that are not one FSDP module."""
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        if not self._mod_tracker.is_bw:
+            self.memory_tracking.pop(module, None)
+        super()._pre_fw_hook(module, inputs)
 
 
 def vocab_size_of(cfg: JobConfig) -> int:
@@ -133,6 +165,52 @@ def vocab_size_of(cfg: JobConfig) -> int:
             "--model.vocab_size 128256 for Llama 3's tokenizer"
         )
     return max(cfg.model.vocab_size, Tokenizer(path).n_words)
+
+
+def pipeline_stage_io(
+    model: torch.nn.Module,
+    world_mesh,
+    parallel_dims: ParallelDims,
+    cfg: JobConfig,
+    device: torch.device,
+    fake_mode: FakeTensorMode,
+    autocast: torch.autocast,
+    vocab_size: int,
+) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    """A stage id's example micro-batch input and output, for stages on a fake process group (which
+    cannot carry the shapes between them). They come from a probe: the model's two ends alone
+    (embeddings, final norm, output), parallelized like a stage, run on one fake micro-batch.
+    Blocks keep the shape and dtype of the residual stream, so the embeddings' output is what every
+    stage boundary carries."""
+    layers = stage_layers(cfg, len(model.layers))
+    microbatch = (cfg.training.batch_size // num_microbatches(cfg, len(layers)), cfg.training.seq_len)
+    probe = parallelize_llama(split_model(model, range(0), True, True), world_mesh, parallel_dims, cfg)
+    boundary = []
+    probe.tok_embeddings.register_forward_hook(lambda module, args, output: boundary.append(output))
+    with fake_mode:
+        probe.to_empty(device=device)
+        tokens = torch.randint(0, vocab_size, microbatch, device=device)
+        with autocast:
+            logits = probe(tokens)
+    # Stage outputs and hidden inputs take gradients (those the stages send back).
+    hidden, logits = boundary[0].detach().requires_grad_(), logits.detach().requires_grad_()
+    return lambda stage_id: (
+        tokens if stage_id == 0 else hidden,
+        logits if stage_id == len(layers) - 1 else hidden,
+    )
+
+
+@contextlib.contextmanager
+def static_pipeline_vote():
+    """At their first step, pipeline stages vote along the pipeline on whether every stage was
+    given its shapes. Messages on the fake process group carry nothing, so the vote is answered
+    here: yes, every simulated stage is given them (pipeline_stage_io)."""
+    yes = lambda *args, **kwargs: torch.tensor([1], dtype=torch.int32)  # noqa: E731
+    with (
+        mock.patch.object(PipelineStage, "_warmup_forward_vote", yes),
+        mock.patch.object(PipelineStage, "_warmup_backward_result", yes),
+    ):
+        yield
 
 
 def build_step(
@@ -157,9 +235,17 @@ def build_step(
         model_args = replace(model_args, n_layers=n_layers)
     with torch.device("meta"):
         model = Transformer.from_model_args(model_args)
+    param_dtype = DTYPES[cfg.training.mixed_precision_param]
+    use_autocast = not parallel_dims.dp_enabled and param_dtype != torch.float32  # as in train.py
+    autocast = torch.autocast(device.type, param_dtype, enabled=use_autocast)
     if parallel_dims.pp_enabled:
+        stage_io = None
+        if fake_mode is not None:
+            stage_io = pipeline_stage_io(
+                model, world_mesh, parallel_dims, cfg, device, fake_mode, autocast, vocab_size
+            )
         pp_schedule, model_parts, has_first_stage, has_last_stage = pipeline_llama(
-            model, world_mesh, parallel_dims, cfg, device, loss_fn
+            model, world_mesh, parallel_dims, cfg, device, loss_fn, stage_io
         )
     else:
         model_parts = [parallelize_llama(model, world_mesh, parallel_dims, cfg)]
@@ -170,18 +256,14 @@ def build_step(
     optimizer = build_optimizer(model_parts, cfg.optimizer)
     params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
     pp_mesh = world_mesh["pp"] if parallel_dims.pp_enabled else None
-    param_dtype = DTYPES[cfg.training.mixed_precision_param]
-    use_autocast = not parallel_dims.dp_enabled and param_dtype != torch.float32  # as in train.py
-    autocast = torch.autocast(device.type, param_dtype, enabled=use_autocast)
     train_context = loss_parallel if parallel_dims.loss_parallel_enabled else contextlib.nullcontext
     # Later micro-batches of an accumulation are alike: the first and the last stand for them all.
     microbatches = min(gradient_accumulation_steps(cfg.training, parallel_dims), 2)
     shape = (cfg.training.batch_size, cfg.training.seq_len)
 
-    def forward_backward(before_microbatch: Callable[[], None] = lambda: None) -> None:
+    def forward_backward() -> None:
         optimizer.zero_grad()
         for microbatch in range(microbatches):
-            before_microbatch()
             inputs = torch.randint(0, vocab_size, shape, device=device)
             labels = torch.randint(0, vocab_size, shape, device=device)
             for part in model_parts:
@@ -222,11 +304,11 @@ def estimate_phases(
     device: torch.device,
     vocab: int,
     n_layers: int | None = None,
+    rank: int = 0,
 ) -> list[dict[str, int]]:
-    """Rank 0's peak bytes, by column, in each half of a steady-state step (forward and backward,
-    then the optimizer step), on fake tensors and a fake process group. Without PP every rank
-    holds the same share (FSDP pads uneven shards), so rank 0 stands for all."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    """The rank's peak bytes, by column, in each half of a steady-state step (forward and
+    backward, then the optimizer step), on fake tensors and a fake process group."""
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         # The mesh holds real (rank-list) tensors, so it is built outside fake mode.
         world_mesh = parallel_dims.build_mesh(device.type) if world_size > 1 else None
@@ -236,68 +318,107 @@ def estimate_phases(
         )
 
         def new_tracker() -> MemTracker:
-            if len(model_parts) == 1 and isinstance(model_parts[0], FSDPModule):
-                return PeakTracker(model_parts[0], optimizer)
+            if all(isinstance(part, FSDPModule) for part in model_parts):
+                return PeakTracker(model_parts, optimizer)
             tracker = PeakMemTracker()
             tracker.track_external(*model_parts, optimizer)
             return tracker
 
         phases = []
-        with fake_mode:
-            # A first, untracked step creates the optimizer state and fills DTensor's sharding
-            # caches: filling them runs ops on fake global-shape tensors that a tracker would count.
+        # The peak of the second step counts: the first creates the optimizer state and the
+        # pipeline's receive buffers, and fills DTensor's sharding caches (which runs ops on fake
+        # global-shape tensors, gone by the second step).
+        with fake_mode, static_pipeline_vote(), new_tracker() as tracker:
             forward_backward()
             optimizer_step()
-            with new_tracker() as tracker:
-                # FSDPMemTracker refuses a module's second forward (gradient accumulation) unless
-                # its per-module statistics, unused here, are cleared first.
-                forward_backward(tracker.reset_mod_stats)
+            tracker.reset_peak()
+            forward_backward()
             phases.append(to_columns(tracker.get_tracker_snapshot("peak")[device]))
-            with new_tracker() as tracker:
-                optimizer_step()
+            tracker.reset_peak()
+            optimizer_step()
             phases.append(to_columns(tracker.get_tracker_snapshot("peak")[device]))
     finally:
         dist.destroy_process_group()
     return phases
 
 
-def sample_depths(cfg: JobConfig, n_layers: int) -> list[int]:
-    """Three small depths, evenly spaced, that keep the structure of the full model: a whole number
-    of selective-AC periods, and more blocks than FSDP prefetches ahead. Empty when the model is
-    small enough to simulate whole."""
+def depth_samples(cfg: JobConfig, n_layers: int) -> tuple[list[tuple[JobConfig, int]], int, int]:
+    """Three small versions of the model that keep its structure, and how far to extrapolate:
+    ([(job, depth)] whose memory steps by equal amounts, and the model being `num / den` of those
+    steps past the first). Empty when the model is small enough to simulate whole.
+
+    A version keeps a whole number of selective-AC periods and more blocks (per pipeline stage)
+    than FSDP prefetches ahead. With pipeline parallelism every stage loses the same number of
+    layers, so a rank's stages keep their differences and its memory stays affine in the steps."""
     ac = cfg.activation_checkpoint
     period = int(ac.selective_ac_option) if ac.mode == "selective" and ac.selective_ac_option.isdigit() else 1
     prefetch = max(cfg.parallelism.fsdp_forward_prefetch, cfg.parallelism.fsdp_backward_prefetch)
     first = period * -(-max(2, prefetch + 2) // period)
-    depths = [first, first + period, first + 2 * period]
-    return depths if depths[-1] < n_layers else []
+    if cfg.parallelism.pipeline_parallel_degree == 1:
+        depths = [first, first + period, first + 2 * period]
+        return ([(cfg, d) for d in depths], n_layers - first, period) if depths[-1] < n_layers else ([], 0, 1)
+    counts = [len(layers) for layers in stage_layers(cfg, n_layers)]
+    removed = period * ((min(counts) - first) // period)
+    if removed <= 2 * period:
+        return [], 0, 1
+    samples = []
+    for step in range(3):
+        sample = copy.deepcopy(cfg)
+        starts = itertools.accumulate(c - removed + step * period for c in counts[:-1])
+        sample.parallelism.pipeline_parallel_split_points = [f"layers.{start}" for start in starts]
+        samples.append((sample, n_layers - len(counts) * (removed - step * period)))
+    return samples, removed, period
 
 
-def estimate_rank(
+def simulate(tasks: list[tuple]) -> list[list[dict[str, int]]]:
+    """estimate_phases(*task) for each task, each in a process of its own (forked, so it starts at
+    once), as many at a time as there are CPUs: DTensor caches its sharding decisions by mesh, and
+    the meshes of two ranks compare equal while naming different (fake) process groups. Children
+    run one thread each, as OpenMP's thread pool does not survive a fork."""
+    if len(tasks) == 1:
+        return [estimate_phases(*tasks[0])]
+    workers = min(len(tasks), os.cpu_count() or 1)
+    with multiprocessing.get_context("fork").Pool(
+        workers, torch.set_num_threads, (1,), maxtasksperchild=1
+    ) as pool:
+        return pool.starmap(estimate_phases, tasks)
+
+
+def estimate_ranks(
     cfg: JobConfig, parallel_dims: ParallelDims, world_size: int, device: torch.device, vocab: int, full: bool
-) -> tuple[dict[str, int], str]:
-    """Peak bytes per column of a steady-state step, and how they were obtained.
+) -> tuple[list[dict[str, int]], str]:
+    """Peak bytes per column of a steady-state step for the first rank of each pipeline rank (pp is
+    the mesh's outermost dimension; without PP, rank 0 stands for all), and how they were obtained.
 
     Every block of the model is alike, so each half of the step takes memory affine in the number
-    of blocks. Unless `full`, the halves are simulated at three small depths and, when the three
+    of blocks. Unless `full`, the halves are simulated on three smaller models and, when the three
     points are in line (checked to the byte), extrapolated to the model's depth; otherwise, and for
     small models, the whole model is simulated."""
     n_layers = MODEL_CONFIGS[cfg.model.name][cfg.model.flavor].n_layers
-    depths = [] if full else sample_depths(cfg, n_layers)
-    if depths:
-        samples = [estimate_phases(cfg, parallel_dims, world_size, device, vocab, d) for d in depths]
-        step = depths[1] - depths[0]
-        phases = []
-        for a, b, c in zip(*samples):
-            if any(c[k] - b[k] != b[k] - a[k] for k in a):
-                break
-            phases.append({k: a[k] + (b[k] - a[k]) * (n_layers - depths[0]) // step for k in a})
-        else:
-            how = f"extrapolated from {', '.join(map(str, depths))} layers"
-            return max(phases, key=lambda p: p["peak"]), how
-    phases = estimate_phases(cfg, parallel_dims, world_size, device, vocab)
-    why = " (the small depths were not in line)" if depths else ""
-    return max(phases, key=lambda p: p["peak"]), f"all {n_layers} layers simulated{why}"
+    ranks = [pp_rank * world_size // parallel_dims.pp for pp_rank in range(parallel_dims.pp)]
+    samples, num, den = ([], 0, 1) if full else depth_samples(cfg, n_layers)
+    if samples:
+        tasks = [
+            (job, parallel_dims, world_size, device, vocab, depth, r) for r in ranks for job, depth in samples
+        ]
+        results = simulate(tasks)
+        peaks = []
+        for i in range(len(ranks)):
+            points = results[i * len(samples) : (i + 1) * len(samples)]
+            phases = []
+            for a, b, c in zip(*points):
+                if any(c[k] - b[k] != b[k] - a[k] for k in a):
+                    break
+                phases.append({k: a[k] + (b[k] - a[k]) * num // den for k in a})
+            else:
+                peaks.append(max(phases, key=lambda p: p["peak"]))
+        if len(peaks) == len(ranks):
+            return peaks, f"extrapolated from {', '.join(str(d) for _, d in samples)} layers"
+    results = simulate([(cfg, parallel_dims, world_size, device, vocab, None, r) for r in ranks])
+    why = " (the smaller models were not in line)" if samples else ""
+    return [
+        max(phases, key=lambda p: p["peak"]) for phases in results
+    ], f"all {n_layers} layers simulated{why}"
 
 
 def layout_of(cfg: JobConfig, parallel_dims: ParallelDims) -> str:
@@ -320,6 +441,9 @@ def row(cfg: JobConfig, layout: str, rank: object, values: list[object]) -> str:
 
 
 def estimate(configs: list[JobConfig], world_size: int, full: bool = False) -> None:
+    """Print a row per job, or with pipeline parallelism a row per pipeline rank (their stages and
+    in-flight micro-batches differ); the ranks of the other dimensions hold the same share (FSDP
+    pads uneven shards), so the first stands for all."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     jobs, notes = [], []
     for cfg in configs:  # every job is checked before any is estimated
@@ -327,19 +451,17 @@ def estimate(configs: list[JobConfig], world_size: int, full: bool = False) -> N
             cfg.training.compile = False
             cfg.parallelism.enable_async_tensor_parallel = False
             notes.append("training.compile was ignored: the figures are for eager mode")
-        parallel_dims = parallel_dims_of(cfg, world_size)
-        if parallel_dims.pp_enabled:
-            raise ConfigError(
-                "parallelism.pipeline_parallel_degree: pipeline schedules cannot run on fake tensors (their "
-                "set-up exchanges real messages between stages); measure the job with --measure instead"
-            )
-        jobs.append((cfg, parallel_dims, vocab_size_of(cfg)))
+        jobs.append((cfg, check_layout(cfg, world_size, device.type), vocab_size_of(cfg)))
     print(f"Estimated peak memory per rank (GiB) of a steady-state step, {world_size} ranks ({device.type}):")
     print(row("model", "layout", "rank", ["params", "grads", "optim", "activ", "peak"]))
     for cfg, parallel_dims, vocab in jobs:
         start = time.perf_counter()
-        cols, how = estimate_rank(cfg, parallel_dims, world_size, device, vocab, full)
-        print(row(cfg, layout_of(cfg, parallel_dims), "all", list(cols.values())), flush=True)
+        peaks, how = estimate_ranks(cfg, parallel_dims, world_size, device, vocab, full)
+        labels = (
+            [f"pp{pp_rank}" for pp_rank in range(parallel_dims.pp)] if parallel_dims.pp_enabled else ["all"]
+        )
+        for label, cols in zip(labels, peaks):
+            print(row(cfg, layout_of(cfg, parallel_dims), label, list(cols.values())), flush=True)
         notes.append(f"{cfg.model.flavor}: {how}, {time.perf_counter() - start:.1f}s")
     print("; ".join(dict.fromkeys(notes)))
 
@@ -363,7 +485,7 @@ def measure(cfg: JobConfig) -> None:
     """Run the step for real on this machine's devices (under torchrun) and print each rank's peak."""
     world_size, rank, device = init_distributed(cfg.comm.init_timeout_seconds)
     cfg.training.compile = False
-    parallel_dims = parallel_dims_of(cfg, world_size)
+    parallel_dims = check_layout(cfg, world_size, device.type)
     world_mesh = parallel_dims.build_mesh(device.type) if world_size > 1 else None
     vocab = vocab_size_of(cfg)
 
@@ -390,6 +512,7 @@ def measure(cfg: JobConfig) -> None:
     if world_size > 1:
         peaks = [None] * world_size
         dist.all_gather_object(peaks, peak)
+        dist.barrier()  # ranks that tear their group down while a peer still uses it can abort at exit
         dist.destroy_process_group()
     if rank == 0:
         print(
@@ -422,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__)
         return 0
     warnings.filterwarnings("ignore", message=".*Profiler won't be using warmup.*")
+    # DTensor's advice to flatten the mesh for the gradient norm's all-reduces: once per process.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     try:
         files, rest = split_config_files([a for a in argv if a not in ("--measure", "--full_depth")])
         configs = [parse_args(["--job.config_file", f, *rest]) for f in files] or [parse_args(rest)]

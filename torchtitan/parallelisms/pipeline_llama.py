@@ -140,12 +140,16 @@ def pipeline_llama(
     job_config: JobConfig,
     device: torch.device,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    stage_io: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[_PipelineSchedule, list[nn.Module], bool, bool]:
     """(schedule, this rank's stage models, whether it holds the first stage, the last stage); each
     stage model is parallelized by `parallelize_llama`.
 
     `loss_fn` must average over its micro-batch: the schedule divides the summed gradients by the
-    number of micro-batches, which then equal those of the whole batch's mean loss."""
+    number of micro-batches, which then equal those of the whole batch's mean loss. Stages learn
+    each other's activation shapes from the first step's messages, unless `stage_io` gives a stage
+    id's example micro-batch input and output (the memory estimator's fake process group carries
+    no messages)."""
     pp_mesh = world_mesh["pp"]
     schedule_name = job_config.parallelism.pipeline_parallel_schedule
     layers = stage_layers(job_config, len(model.layers))
@@ -157,7 +161,10 @@ def pipeline_llama(
         is_first, is_last = stage_id == 0, stage_id == len(layers) - 1
         part = split_model(model, layers[stage_id], is_first, is_last)
         part = parallelize_llama(part, world_mesh, parallel_dims, job_config)
-        stages.append(PipelineStage(part, stage_id, len(layers), device, group=pp_mesh.get_group()))
+        inputs, outputs = stage_io(stage_id) if stage_io else (None, None)
+        stages.append(
+            PipelineStage(part, stage_id, len(layers), device, inputs, outputs, group=pp_mesh.get_group())
+        )
         model_parts.append(part)
 
     schedule_cls = get_schedule_class(schedule_name)
