@@ -3,14 +3,14 @@
     NGPU=64 python scripts/estimate_memory.py --job.config_file F [--section.key VALUE ...]
 
 builds the job's model and parallel layout with the trainer's own code (parallelize_llama) on fake
-tensors, over a fake process group of NGPU ranks (default 8), runs training steps under torch's
-MemTracker and prints the peak of a steady-state step (one after the optimizer state exists), per
+tensors, over a fake process group of NGPU ranks (default 8), runs a training step under torch's
+MemTracker and prints the peak of a steady-state step (the optimizer state already made), per
 rank, split into parameters, gradients, optimizer state and activations. Nothing is allocated and
 no GPU is needed. Several --job.config_file give a row each, the other options applying to all;
 with pipeline parallelism each pipeline rank gets a row (their stages and in-flight micro-batches
 differ). Blocks are alike, so a deep model is simulated at three small depths and extrapolated
-(exact when the three agree on a line, which is checked; --full_depth simulates every layer,
-slowly); the simulations run side by side, one process each, on the machine's CPUs. Every layout
+(exact when the three agree on a line, which is checked; with PP, only where that simulates fewer
+layers; --full_depth simulates every layer, slowly); the simulations run side by side, one process each, on the machine's CPUs. Every layout
 the trainer runs is covered: FSDP, HSDP, DDP, TP, PP (every schedule), activation checkpointing
 and gradient accumulation.
 
@@ -40,12 +40,14 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.profiler import ProfilerActivity, record_function
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -114,6 +116,11 @@ class PeakOnly:
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._mod_tracker = ForwardOnlyModTracker()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.prim.device.default and not any(t is DTensor for t in types):
+            return func(*args)  # asked by most ops, allocates nothing: spare it the bookkeeping
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def reset_peak(self) -> None:
         self._peak_mem_snap = self.get_tracker_snapshot()
@@ -210,6 +217,20 @@ def static_pipeline_vote():
         mock.patch.object(PipelineStage, "_warmup_forward_vote", yes),
         mock.patch.object(PipelineStage, "_warmup_backward_result", yes),
     ):
+        yield
+
+
+@contextlib.contextmanager
+def untracked_sharding_propagation():
+    """DTensor learns an op's output shapes by running it on fake tensors of the global shapes, in
+    the active fake mode: counted as memory. Its own fake mode keeps them out of the tracker."""
+    propagate = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def in_own_fake_mode(*args, **kwargs):
+        with unset_fake_temporarily():
+            return propagate(*args, **kwargs)
+
+    with mock.patch.object(ShardingPropagator, "_propagate_tensor_meta_non_cached", in_own_fake_mode):
         yield
 
 
@@ -324,14 +345,15 @@ def estimate_phases(
             tracker.track_external(*model_parts, optimizer)
             return tracker
 
-        phases = []
-        # The peak of the second step counts: the first creates the optimizer state and the
-        # pipeline's receive buffers, and fills DTensor's sharding caches (which runs ops on fake
-        # global-shape tensors, gone by the second step).
-        with fake_mode, static_pipeline_vote(), new_tracker() as tracker:
-            forward_backward()
+        # A steady-state step finds the optimizer state made (here from gradients of zeros); what
+        # the first step also makes, the pipeline's receive buffers, stays for the later ones.
+        with fake_mode:
+            for param in (p for group in optimizer.param_groups for p in group["params"]):
+                param.grad = torch.zeros_like(param)
             optimizer_step()
-            tracker.reset_peak()
+            optimizer.zero_grad()
+        phases = []
+        with fake_mode, static_pipeline_vote(), untracked_sharding_propagation(), new_tracker() as tracker:
             forward_backward()
             phases.append(to_columns(tracker.get_tracker_snapshot("peak")[device]))
             tracker.reset_peak()
@@ -349,7 +371,9 @@ def depth_samples(cfg: JobConfig, n_layers: int) -> tuple[list[tuple[JobConfig, 
 
     A version keeps a whole number of selective-AC periods and more blocks (per pipeline stage)
     than FSDP prefetches ahead. With pipeline parallelism every stage loses the same number of
-    layers, so a rank's stages keep their differences and its memory stays affine in the steps."""
+    layers, so a rank's stages keep their differences and its memory stays affine in the steps;
+    as each rank runs its own stages only, the three versions are worth it only when together
+    they hold fewer layers than the model (stages of 10 layers or more)."""
     ac = cfg.activation_checkpoint
     period = int(ac.selective_ac_option) if ac.mode == "selective" and ac.selective_ac_option.isdigit() else 1
     prefetch = max(cfg.parallelism.fsdp_forward_prefetch, cfg.parallelism.fsdp_backward_prefetch)
@@ -367,21 +391,24 @@ def depth_samples(cfg: JobConfig, n_layers: int) -> tuple[list[tuple[JobConfig, 
         starts = itertools.accumulate(c - removed + step * period for c in counts[:-1])
         sample.parallelism.pipeline_parallel_split_points = [f"layers.{start}" for start in starts]
         samples.append((sample, n_layers - len(counts) * (removed - step * period)))
+    if sum(depth for _, depth in samples) >= n_layers:
+        return [], 0, 1
     return samples, removed, period
 
 
 def simulate(tasks: list[tuple]) -> list[list[dict[str, int]]]:
     """estimate_phases(*task) for each task, each in a process of its own (forked, so it starts at
-    once), as many at a time as there are CPUs: DTensor caches its sharding decisions by mesh, and
-    the meshes of two ranks compare equal while naming different (fake) process groups. Children
-    run one thread each, as OpenMP's thread pool does not survive a fork."""
+    once; one task per process and per hand-out), as many at a time as there are CPUs: DTensor
+    caches its sharding decisions by mesh, and the meshes of two ranks compare equal while naming
+    different (fake) process groups. Children run one thread each, as OpenMP's thread pool does not
+    survive a fork."""
     if len(tasks) == 1:
         return [estimate_phases(*tasks[0])]
     workers = min(len(tasks), os.cpu_count() or 1)
     with multiprocessing.get_context("fork").Pool(
         workers, torch.set_num_threads, (1,), maxtasksperchild=1
     ) as pool:
-        return pool.starmap(estimate_phases, tasks)
+        return pool.starmap(estimate_phases, tasks, chunksize=1)
 
 
 def estimate_ranks(
