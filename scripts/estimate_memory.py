@@ -10,9 +10,9 @@ no GPU is needed. Several --job.config_file give a row each, the other options a
 with pipeline parallelism each pipeline rank gets a row (their stages and in-flight micro-batches
 differ). Blocks are alike, so a deep model is simulated at three small depths and extrapolated
 (exact when the three agree on a line, which is checked; with PP, only where that simulates fewer
-layers; --full_depth simulates every layer, slowly); the simulations run side by side, one process each, on the machine's CPUs. Every layout
-the trainer runs is covered: FSDP, HSDP, DDP, TP, PP (every schedule), activation checkpointing
-and gradient accumulation.
+layers; --full_depth simulates every layer, slowly); the simulations run side by side, one process
+each, on the machine's CPUs. Every layout the trainer runs is covered: FSDP, HSDP, DDP, TP, PP
+(every schedule), activation checkpointing and gradient accumulation.
 
     torchrun --nproc_per_node N scripts/estimate_memory.py --measure --job.config_file F [...]
 
