@@ -8,11 +8,12 @@ MemTracker and prints the peak of a steady-state step (the optimizer state alrea
 rank, split into parameters, gradients, optimizer state and activations. Nothing is allocated and
 no GPU is needed. Several --job.config_file give a row each, the other options applying to all;
 with pipeline parallelism each pipeline rank gets a row (their stages and in-flight micro-batches
-differ). Blocks are alike, so a deep model is simulated at three small depths and extrapolated
-(exact when the three agree on a line, which is checked; with PP, only where that simulates fewer
-layers; --full_depth simulates every layer, slowly); the simulations run side by side, one process
-each, on the machine's CPUs. Every layout the trainer runs is covered: FSDP, HSDP, DDP, TP, PP
-(every schedule), activation checkpointing and gradient accumulation.
+differ). Two shortcuts, exact where they apply (estimate_ranks): with a multi-stage pipeline
+schedule, one rank of each kind runs two micro-batches and every rank's step is composed from its
+actions; otherwise blocks are alike, so a deep model is simulated at three small depths and
+extrapolated. --full simulates the whole step, slowly. The simulations run side by side, one
+process each, on the machine's CPUs. Every layout the trainer runs is covered: FSDP, HSDP, DDP,
+TP, PP (every schedule), activation checkpointing and gradient accumulation.
 
     torchrun --nproc_per_node N scripts/estimate_memory.py --measure --job.config_file F [...]
 
@@ -25,6 +26,7 @@ caching allocator's fragmentation (reserved over allocated), which together ofte
 training.compile is not applied (so this is eager-mode memory, an upper bound for compiled blocks).
 """
 
+import collections
 import contextlib
 import copy
 import itertools
@@ -45,7 +47,8 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime, get_schedule_class
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.distributed.tensor.parallel import loss_parallel
@@ -65,6 +68,7 @@ from torchtitan.parallelisms.pipeline_llama import (  # noqa: E402
     num_microbatches,
     pipeline_llama,
     split_model,
+    stage_ids,
     stage_layers,
 )
 from train import MODEL_CONFIGS, check_layout, gradient_accumulation_steps, loss_fn  # noqa: E402
@@ -242,11 +246,11 @@ def build_step(
     vocab_size: int,
     fake_mode: FakeTensorMode | None = None,
     n_layers: int | None = None,
-) -> tuple[list[torch.nn.Module], torch.optim.Optimizer, Callable[[], None], Callable[[], None]]:
-    """The rank's model parts and optimizer, built as train.py builds them, and the two halves of
+) -> tuple[list[torch.nn.Module], torch.optim.Optimizer, Callable[[], None], Callable[[], None], object]:
+    """The rank's model parts and optimizer, built as train.py builds them, the two halves of
     one training step of the job on random tokens: forward and backward (with clipping), then the
-    optimizer step. With `fake_mode` the parameters are fake tensors (run the step under it too);
-    `n_layers` overrides the flavour's depth."""
+    optimizer step, and the pipeline schedule (None without PP). With `fake_mode` the parameters
+    are fake tensors (run the step under it too); `n_layers` overrides the flavour's depth."""
     model_args = replace(
         MODEL_CONFIGS[cfg.model.name][cfg.model.flavor],
         vocab_size=vocab_size,
@@ -269,6 +273,7 @@ def build_step(
             model, world_mesh, parallel_dims, cfg, device, loss_fn, stage_io
         )
     else:
+        pp_schedule = None
         model_parts = [parallelize_llama(model, world_mesh, parallel_dims, cfg)]
     with fake_mode or contextlib.nullcontext():
         for part in model_parts:
@@ -305,7 +310,7 @@ def build_step(
                     loss.backward()
         clip_grad_norm_(params, cfg.training.max_norm, pp_mesh)
 
-    return model_parts, optimizer, forward_backward, optimizer.step
+    return model_parts, optimizer, forward_backward, optimizer.step, pp_schedule
 
 
 def to_columns(snapshot: dict) -> dict[str, int]:
@@ -318,6 +323,107 @@ def to_columns(snapshot: dict) -> dict[str, int]:
     return columns
 
 
+Snapshot = dict[str, int]  # MemTracker's memory kinds (and "Total") -> bytes
+PROFILED_MICROBATCHES = 2  # a stage's first and its later micro-batches
+
+
+def plus(a: Snapshot, b: Snapshot) -> Snapshot:
+    return {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}
+
+
+def minus(a: Snapshot, b: Snapshot) -> Snapshot:
+    return {k: a.get(k, 0) - b.get(k, 0) for k in a.keys() | b.keys()}
+
+
+def highest(*snapshots: Snapshot) -> Snapshot:
+    return max(snapshots, key=lambda snap: snap["Total"])
+
+
+@contextlib.contextmanager
+def traced_actions(tracker: MemTracker, device: torch.device, trace: list[tuple]):
+    """Record each action a runtime pipeline schedule runs (it names each in a profiler range):
+    (action, the peak since the last action, the memory before it, its peak, the memory after it).
+    The tracker's peak starts again after each action, so that what follows the last one is
+    measured on its own."""
+
+    def snapshot(kind: str = "current") -> Snapshot:
+        return tracker.get_tracker_snapshot(kind)[device]
+
+    @contextlib.contextmanager
+    def measured(action):
+        since_last, before = snapshot("peak"), snapshot()
+        tracker.reset_peak()
+        yield
+        trace.append((action, since_last, before, snapshot("peak"), snapshot()))
+        tracker.reset_peak()
+
+    with (
+        mock.patch.object(schedules, "_get_profiler_function_name", lambda action: action),
+        mock.patch.object(schedules, "record_function", measured),
+    ):
+        yield
+
+
+def action_keys(order: list) -> list[tuple]:
+    """What an action's memory depends on: its stage's place on the rank, its kind, and for
+    per-micro-batch actions whether it is the stage's first of that kind (later ones are alike);
+    for the others (gather, free, reduce the stage's weights) which occurrence it is."""
+    position = {stage: i for i, stage in enumerate(sorted({a.stage_index for a in order}))}
+    seen: collections.Counter = collections.Counter()
+    keys = []
+    for action in order:
+        kind = (position[action.stage_index], action.computation_type)
+        seen[kind] += 1
+        keys.append((*kind, seen[kind] if action.microbatch_index is None else min(seen[kind], 2)))
+    return keys
+
+
+def compose(
+    trace: list[tuple], end: Snapshot, epilogue_peak: Snapshot, order: list
+) -> tuple[Snapshot, Snapshot]:
+    """A rank's forward-backward peak and its memory at the end, from a `trace` of the same stages
+    on fewer micro-batches: each of the rank's actions (`order`) adds the change its counterpart in
+    the trace made, and peaks where that counterpart peaked, above the memory it started from. What
+    follows the actions (clipping) weighs as it did in the trace. A KeyError if an action has no
+    counterpart."""
+    profile = {
+        key: (minus(peak, before), minus(after, before))
+        for key, (_, _, before, peak, after) in zip(action_keys([t[0] for t in trace]), trace)
+    }
+    _, top, now, _, _ = trace[0]  # before the actions: the step's set-up, as in the trace
+    for key in action_keys(order):
+        above, change = profile[key]
+        top = highest(top, plus(now, above))
+        now = plus(now, change)
+    last = trace[-1][-1]
+    top = highest(top, plus(now, minus(epilogue_peak, last)))
+    return top, plus(now, minus(end, last))
+
+
+@contextlib.contextmanager
+def first_microbatches_only(schedule: _PipelineScheduleRuntime):
+    """Run only this rank's actions on the first PROFILED_MICROBATCHES micro-batches, and those
+    on none (gathering, freeing and reducing the stages' weights). The step ends by counting the
+    last stage's losses (fewer here) and concatenating its outputs: the outputs of the micro-batches
+    run stand in for those of the others."""
+    orders = schedule.pipeline_order_with_comms
+    full_order = orders[schedule.rank]
+    orders[schedule.rank] = [a for a in full_order if (a.microbatch_index or 0) < PROFILED_MICROBATCHES]
+    merge, n = schedule._merge_outputs, schedule._n_microbatches
+
+    def merge_as_many(chunks: list) -> object:
+        return merge([chunks[i % len(chunks)] for i in range(n)])
+
+    try:
+        with (
+            mock.patch.object(schedule, "_update_losses", lambda *args: schedule._internal_losses.clear()),
+            mock.patch.object(schedule, "_merge_outputs", merge_as_many),
+        ):
+            yield
+    finally:
+        orders[schedule.rank] = full_order
+
+
 def estimate_phases(
     cfg: JobConfig,
     parallel_dims: ParallelDims,
@@ -326,15 +432,20 @@ def estimate_phases(
     vocab: int,
     n_layers: int | None = None,
     rank: int = 0,
-) -> list[dict[str, int]]:
+    compose_for: tuple[int, ...] = (),
+) -> list[list[dict[str, int]] | None]:
     """The rank's peak bytes, by column, in each half of a steady-state step (forward and
-    backward, then the optimizer step), on fake tensors and a fake process group."""
+    backward, then the optimizer step), on fake tensors and a fake process group.
+
+    With `compose_for` (pipeline ranks whose stages are alike in kind and size to this rank's),
+    the schedule runs only its first two micro-batches, and each of those ranks' peaks is composed
+    along its own full schedule (`compose`): one entry per rank, None where that cannot be done."""
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         # The mesh holds real (rank-list) tensors, so it is built outside fake mode.
         world_mesh = parallel_dims.build_mesh(device.type) if world_size > 1 else None
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # the meta model is not fake
-        model_parts, optimizer, forward_backward, optimizer_step = build_step(
+        model_parts, optimizer, forward_backward, optimizer_step, schedule = build_step(
             cfg, parallel_dims, world_mesh, device, vocab, fake_mode, n_layers
         )
 
@@ -352,16 +463,35 @@ def estimate_phases(
                 param.grad = torch.zeros_like(param)
             optimizer_step()
             optimizer.zero_grad()
-        phases = []
-        with fake_mode, static_pipeline_vote(), untracked_sharding_propagation(), new_tracker() as tracker:
+        trace = []
+        orders = schedule.pipeline_order_with_comms if compose_for else {}
+        if any(action.sub_actions for r in compose_for for action in orders[r]):
+            return [None] * len(compose_for)  # overlapped forward and backward pairs: not composed
+        with (
+            fake_mode,
+            static_pipeline_vote(),
+            untracked_sharding_propagation(),
+            first_microbatches_only(schedule) if compose_for else contextlib.nullcontext(),
+            new_tracker() as tracker,
+            traced_actions(tracker, device, trace) if compose_for else contextlib.nullcontext(),
+        ):
             forward_backward()
-            phases.append(to_columns(tracker.get_tracker_snapshot("peak")[device]))
+            end, peak = tracker.get_tracker_snapshot()[device], tracker.get_tracker_snapshot("peak")[device]
             tracker.reset_peak()
             optimizer_step()
-            phases.append(to_columns(tracker.get_tracker_snapshot("peak")[device]))
+            optimizer_peak = minus(tracker.get_tracker_snapshot("peak")[device], end)
+        if not compose_for:
+            return [[to_columns(peak), to_columns(plus(end, optimizer_peak))]]
+        composed = []
+        for pp_rank in compose_for:
+            try:
+                top, after = compose(trace, end, peak, orders[pp_rank])
+                composed.append([to_columns(top), to_columns(plus(after, optimizer_peak))])
+            except KeyError:
+                composed.append(None)
+        return composed
     finally:
         dist.destroy_process_group()
-    return phases
 
 
 def depth_samples(cfg: JobConfig, n_layers: int) -> tuple[list[tuple[JobConfig, int]], int, int]:
@@ -396,7 +526,7 @@ def depth_samples(cfg: JobConfig, n_layers: int) -> tuple[list[tuple[JobConfig, 
     return samples, removed, period
 
 
-def simulate(tasks: list[tuple]) -> list[list[dict[str, int]]]:
+def simulate(tasks: list[tuple]) -> list[list[list[dict[str, int]] | None]]:
     """estimate_phases(*task) for each task, each in a process of its own (forked, so it starts at
     once; one task per process and per hand-out), as many at a time as there are CPUs: DTensor
     caches its sharding decisions by mesh, and the meshes of two ranks compare equal while naming
@@ -411,24 +541,85 @@ def simulate(tasks: list[tuple]) -> list[list[dict[str, int]]]:
         return pool.starmap(estimate_phases, tasks, chunksize=1)
 
 
+def pipeline_groups(cfg: JobConfig, pp: int, n_layers: int) -> list[list[int]]:
+    """The pipeline ranks grouped by the stages they hold: alike in layers, in holding the model's
+    ends and in being next to each other (a V schedule's turn), in the rank's order."""
+    layers = stage_layers(cfg, n_layers)
+    groups: dict[tuple, list[int]] = {}
+    for pp_rank in range(pp):
+        ids = stage_ids(pp_rank, pp, len(layers) // pp, cfg.parallelism.pipeline_parallel_schedule)
+        kinds = tuple((len(layers[i]), i == 0, i == len(layers) - 1) for i in ids)
+        turns = tuple(b - a == 1 for a, b in zip(ids, ids[1:]))
+        groups.setdefault((kinds, turns), []).append(pp_rank)
+    return list(groups.values())
+
+
+def compose_ranks(
+    cfg: JobConfig,
+    parallel_dims: ParallelDims,
+    world_size: int,
+    device: torch.device,
+    vocab: int,
+    n_layers: int,
+) -> tuple[dict[int, list[dict[str, int]]], int]:
+    """The phases of the pipeline ranks that composition covers, and how many ranks were simulated
+    for them. A rank of each kind is simulated on two micro-batches and composes its kind; a rank
+    whose schedule has actions its kind's simulation lacks (FSDP frees and gathers stages in its
+    own pattern when a rank holds more than 3) is simulated for itself in a second round."""
+    ranks = [pp_rank * world_size // parallel_dims.pp for pp_rank in range(parallel_dims.pp)]
+    groups, composed, simulated = pipeline_groups(cfg, parallel_dims.pp, n_layers), {}, 0
+    while groups:
+        tasks = [(cfg, parallel_dims, world_size, device, vocab, None, ranks[g[0]], tuple(g)) for g in groups]
+        simulated += len(tasks)
+        alone = []
+        for group, phases in zip(groups, simulate(tasks)):
+            for pp_rank, rank_phases in zip(group, phases):
+                if rank_phases is not None:
+                    composed[pp_rank] = rank_phases
+                elif pp_rank != group[0]:
+                    alone.append([pp_rank])
+        groups = alone
+    return composed, simulated
+
+
 def estimate_ranks(
     cfg: JobConfig, parallel_dims: ParallelDims, world_size: int, device: torch.device, vocab: int, full: bool
 ) -> tuple[list[dict[str, int]], str]:
     """Peak bytes per column of a steady-state step for the first rank of each pipeline rank (pp is
     the mesh's outermost dimension; without PP, rank 0 stands for all), and how they were obtained.
 
-    Every block of the model is alike, so each half of the step takes memory affine in the number
-    of blocks. Unless `full`, the halves are simulated on three smaller models and, when the three
-    points are in line (checked to the byte), extrapolated to the model's depth; otherwise, and for
-    small models, the whole model is simulated."""
+    Unless `full`, two shortcuts, each exact where it applies. With a pipeline schedule that
+    runs an action list (the multi-stage ones), micro-batches after the second repeat what the
+    second did: one rank per kind of rank runs two micro-batches and every rank's step is composed
+    from them (estimate_phases). Otherwise, every block of the model is alike, so each half of the
+    step takes memory affine in the number of blocks: the halves are simulated on three smaller
+    models and, when the three points are in line (checked to the byte), extrapolated to the
+    model's depth. Where neither applies, the whole step is simulated."""
     n_layers = MODEL_CONFIGS[cfg.model.name][cfg.model.flavor].n_layers
     ranks = [pp_rank * world_size // parallel_dims.pp for pp_rank in range(parallel_dims.pp)]
+    peak_of = lambda phases: max(phases, key=lambda p: p["peak"])  # noqa: E731
+    if parallel_dims.pp_enabled and not full:
+        schedule = get_schedule_class(cfg.parallelism.pipeline_parallel_schedule)
+        microbatches = num_microbatches(cfg, len(stage_layers(cfg, n_layers)))
+        if issubclass(schedule, _PipelineScheduleRuntime) and microbatches > PROFILED_MICROBATCHES:
+            composed, simulated = compose_ranks(cfg, parallel_dims, world_size, device, vocab, n_layers)
+            whole = [r for r in range(parallel_dims.pp) if r not in composed]
+            if len(whole) < parallel_dims.pp:
+                how = (
+                    f"{simulated} of {parallel_dims.pp} pipeline ranks simulated on {PROFILED_MICROBATCHES} "
+                    f"of {microbatches} micro-batches (all {n_layers} layers), each rank composed from them"
+                )
+                if whole:
+                    tasks = [(cfg, parallel_dims, world_size, device, vocab, None, ranks[r]) for r in whole]
+                    composed.update((r, phases) for r, (phases,) in zip(whole, simulate(tasks)))
+                    how += f"; pipeline ranks {', '.join(map(str, whole))} simulated whole"
+                return [peak_of(composed[r]) for r in range(parallel_dims.pp)], how
     samples, num, den = ([], 0, 1) if full else depth_samples(cfg, n_layers)
     if samples:
         tasks = [
             (job, parallel_dims, world_size, device, vocab, depth, r) for r in ranks for job, depth in samples
         ]
-        results = simulate(tasks)
+        results = [phases for (phases,) in simulate(tasks)]
         peaks = []
         for i in range(len(ranks)):
             points = results[i * len(samples) : (i + 1) * len(samples)]
@@ -438,14 +629,12 @@ def estimate_ranks(
                     break
                 phases.append({k: a[k] + (b[k] - a[k]) * num // den for k in a})
             else:
-                peaks.append(max(phases, key=lambda p: p["peak"]))
+                peaks.append(peak_of(phases))
         if len(peaks) == len(ranks):
             return peaks, f"extrapolated from {', '.join(str(d) for _, d in samples)} layers"
     results = simulate([(cfg, parallel_dims, world_size, device, vocab, None, r) for r in ranks])
     why = " (the smaller models were not in line)" if samples else ""
-    return [
-        max(phases, key=lambda p: p["peak"]) for phases in results
-    ], f"all {n_layers} layers simulated{why}"
+    return [peak_of(phases) for (phases,) in results], f"all {n_layers} layers simulated{why}"
 
 
 def layout_of(cfg: JobConfig, parallel_dims: ParallelDims) -> str:
@@ -521,7 +710,7 @@ def measure(cfg: JobConfig) -> None:
         optimizer_step()
 
     if device.type == "cuda":
-        _, _, forward_backward, optimizer_step = build_step(cfg, parallel_dims, world_mesh, device, vocab)
+        _, _, forward_backward, optimizer_step, _ = build_step(cfg, parallel_dims, world_mesh, device, vocab)
         step()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -530,7 +719,9 @@ def measure(cfg: JobConfig) -> None:
         peak = torch.cuda.max_memory_allocated()
     else:
         with torch.profiler.profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            _, _, forward_backward, optimizer_step = build_step(cfg, parallel_dims, world_mesh, device, vocab)
+            _, _, forward_backward, optimizer_step, _ = build_step(
+                cfg, parallel_dims, world_mesh, device, vocab
+            )
             step()
             with record_function("measured step"):
                 step()
@@ -575,7 +766,7 @@ def main(argv: list[str] | None = None) -> int:
     # DTensor's advice to flatten the mesh for the gradient norm's all-reduces: once per process.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     try:
-        files, rest = split_config_files([a for a in argv if a not in ("--measure", "--full_depth")])
+        files, rest = split_config_files([a for a in argv if a not in ("--measure", "--full")])
         configs = [parse_args(["--job.config_file", f, *rest]) for f in files] or [parse_args(rest)]
         if "--measure" in argv:
             if len(configs) > 1:
@@ -585,7 +776,7 @@ def main(argv: list[str] | None = None) -> int:
         ngpu = os.environ.get("NGPU", "8")
         if not ngpu.isdigit() or int(ngpu) < 1:
             raise ConfigError(f"NGPU: expected a positive number of ranks, got {ngpu!r}")
-        estimate(configs, int(ngpu), full="--full_depth" in argv)
+        estimate(configs, int(ngpu), full="--full" in argv)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
