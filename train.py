@@ -238,14 +238,15 @@ def main(job_config: JobConfig) -> int:
             with train_context():
                 if parallel_dims.pp_enabled:
                     # The schedule runs forward and backward over the micro-batches; only the rank holding
-                    # the last stage gets their losses (the others count 0 and the log sums over pp).
+                    # the last stage gets their losses (the others count 0 and the log sums over pp). The
+                    # logits are not returned: the last stage would keep every micro-batch's and concatenate.
                     losses = []
                     targets = labels if has_last_stage else None
                     with autocast:
                         if has_first_stage:
-                            pp_schedule.step(inputs, target=targets, losses=losses)
+                            pp_schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
                         else:
-                            pp_schedule.step(target=targets, losses=losses)
+                            pp_schedule.step(target=targets, losses=losses, return_outputs=False)
                     loss = torch.stack(losses).mean() if has_last_stage else torch.zeros((), device=device)
                 else:
                     with autocast:

@@ -299,9 +299,9 @@ def build_step(
                     targets = labels if has_last_stage else None
                     with autocast:
                         if has_first_stage:
-                            pp_schedule.step(inputs, target=targets, losses=[])
+                            pp_schedule.step(inputs, target=targets, losses=[], return_outputs=False)
                         else:
-                            pp_schedule.step(target=targets, losses=[])
+                            pp_schedule.step(target=targets, losses=[], return_outputs=False)
                 else:
                     with autocast:
                         logits = model_parts[0](inputs)
@@ -403,22 +403,13 @@ def compose(
 @contextlib.contextmanager
 def first_microbatches_only(schedule: _PipelineScheduleRuntime):
     """Run only this rank's actions on the first PROFILED_MICROBATCHES micro-batches, and those
-    on none (gathering, freeing and reducing the stages' weights). The step ends by counting the
-    last stage's losses (fewer here) and concatenating its outputs: the outputs of the micro-batches
-    run stand in for those of the others."""
+    on none (gathering, freeing and reducing the stages' weights). The step's end counts the last
+    stage's losses: fewer here."""
     orders = schedule.pipeline_order_with_comms
     full_order = orders[schedule.rank]
     orders[schedule.rank] = [a for a in full_order if (a.microbatch_index or 0) < PROFILED_MICROBATCHES]
-    merge, n = schedule._merge_outputs, schedule._n_microbatches
-
-    def merge_as_many(chunks: list) -> object:
-        return merge([chunks[i % len(chunks)] for i in range(n)])
-
     try:
-        with (
-            mock.patch.object(schedule, "_update_losses", lambda *args: schedule._internal_losses.clear()),
-            mock.patch.object(schedule, "_merge_outputs", merge_as_many),
-        ):
+        with mock.patch.object(schedule, "_update_losses", lambda *args: schedule._internal_losses.clear()):
             yield
     finally:
         orders[schedule.rank] = full_order

@@ -101,22 +101,22 @@ def test_extrapolated_pipeline_stages_equal_the_whole_model():
 
 
 INTERLEAVED = [*PP2, "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 
 
 @pytest.mark.parametrize(
     "ngpu, layout",
     [
-        (4, [*INTERLEAVED, "--activation_checkpoint.mode", "full"]),
-        (4, [*INTERLEAVED, "--parallelism.tensor_parallel_degree", "2", "--model.vocab_size", "128256"]),
+        (8, [*INTERLEAVED, *TP2, "--activation_checkpoint.mode", "full", "--model.vocab_size", "128256"]),
         (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
     ],
-    ids=["fsdp2_pp2_interleaved_full_ac", "tp2_pp2_interleaved_llama3_vocab", "pp2_zbv"],
+    ids=["fsdp2_tp2_pp2_interleaved_full_ac_llama3_vocab", "pp2_zbv"],
 )
 def test_pipeline_ranks_composed_from_two_microbatches_equal_the_whole_step(ngpu, layout):
     """Each rank runs two of its eight micro-batches and its step is composed from them, vs all
-    eight run. The last stage keeps every micro-batch's logits until the step concatenates them
-    (the composition must count those of the micro-batches it did not run); ZBV puts both ends on
-    rank 0 and passes activations between the two stages of rank 1 without sending them."""
+    eight run. Activations, gradients and receive buffers of the micro-batches not run are counted
+    from those run; ZBV puts both ends on rank 0 and passes activations between the two stages of
+    rank 1 without sending them."""
     layout = [*layout, "--training.batch_size", "8", "--parallelism.pipeline_parallel_microbatches", "8"]
     composed = estimate(ngpu, *layout, how="2 of 2 pipeline ranks simulated on 2 of 8 micro-batches")
     assert len(composed) == 2 and composed[0] != composed[1]
@@ -124,26 +124,27 @@ def test_pipeline_ranks_composed_from_two_microbatches_equal_the_whole_step(ngpu
 
 
 @pytest.mark.parametrize(
-    "split, how",
+    "microbatches, split, how",
     [
-        ([], "3 of 4 pipeline ranks simulated on 2 of 8"),
-        ([",".join(f"layers.{i}" for i in range(2, 32, 2))], "4 of 4 pipeline ranks simulated on 2 of 8"),
+        (4, [], "3 of 4 pipeline ranks simulated on 2 of 4"),
+        (8, [",".join(f"layers.{i}" for i in range(1, 16))], "4 of 4 pipeline ranks simulated on 2 of 8"),
     ],
     ids=["two_stages_per_rank", "four_stages_per_rank"],
 )
-def test_ranks_of_a_kind_composed_from_one_equal_their_whole_steps(split, how):
-    """Llama 3 8B over 4 pipeline ranks (long sequences, so that activations weigh): ranks 1 and 2
+def test_ranks_of_a_kind_composed_from_one_equal_their_whole_steps(microbatches, split, how):
+    """Llama 3 1B over 4 pipeline ranks (long sequences, so that activations weigh): ranks 1 and 2
     hold alike stages, so rank 2 is composed from rank 1's two micro-batches, though it keeps fewer
-    in flight. With four stages per rank, FSDP frees and gathers them in a pattern of each rank's
-    own, and rank 2 is simulated for itself."""
-    layout = ["--model.flavor", "8B", "--training.seq_len", "4096", "--training.batch_size", "8"]
+    in flight. With four stages per rank and 8 micro-batches, FSDP frees and gathers them in a
+    pattern of each rank's own, and rank 2 is simulated for itself."""
+    layout = ["--model.flavor", "1B", "--training.seq_len", "4096"]
+    layout += ["--training.batch_size", str(microbatches)]
     layout += ["--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule"]
-    layout += ["Interleaved1F1B", "--parallelism.pipeline_parallel_microbatches", "8"]
+    layout += ["Interleaved1F1B", "--parallelism.pipeline_parallel_microbatches", str(microbatches)]
     if split:
         layout += ["--parallelism.pipeline_parallel_split_points", *split]
     composed = estimate(4, *layout, how=how)
     assert len({row[-1] for row in composed}) == 4
-    assert composed == estimate(4, *layout, "--full", how="all 32 layers simulated")
+    assert composed == estimate(4, *layout, "--full", how="all 16 layers simulated")
 
 
 def test_each_simulation_has_a_process_of_its_own():
