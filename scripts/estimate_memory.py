@@ -552,12 +552,13 @@ def compose_ranks(
     device: torch.device,
     vocab: int,
     n_layers: int,
+    ranks: list[int],
 ) -> tuple[dict[int, list[dict[str, int]]], int]:
     """The phases of the pipeline ranks that composition covers, and how many ranks were simulated
-    for them. A rank of each kind is simulated on two micro-batches and composes its kind; a rank
-    whose schedule has actions its kind's simulation lacks (FSDP frees and gathers stages in its
-    own pattern when a rank holds more than 3) is simulated for itself in a second round."""
-    ranks = [pp_rank * world_size // parallel_dims.pp for pp_rank in range(parallel_dims.pp)]
+    for them (`ranks`: the global rank standing for each pipeline rank). A rank of each kind is
+    simulated on two micro-batches and composes its kind; a rank whose schedule has actions its
+    kind's simulation lacks (FSDP frees and gathers stages in its own pattern when a rank holds
+    more than 3) is simulated for itself in a second round."""
     groups, composed, simulated = pipeline_groups(cfg, parallel_dims.pp, n_layers), {}, 0
     while groups:
         tasks = [(cfg, parallel_dims, world_size, device, vocab, None, ranks[g[0]], tuple(g)) for g in groups]
@@ -593,7 +594,9 @@ def estimate_ranks(
         schedule = get_schedule_class(cfg.parallelism.pipeline_parallel_schedule)
         microbatches = num_microbatches(cfg, len(stage_layers(cfg, n_layers)))
         if issubclass(schedule, _PipelineScheduleRuntime) and microbatches > PROFILED_MICROBATCHES:
-            composed, simulated = compose_ranks(cfg, parallel_dims, world_size, device, vocab, n_layers)
+            composed, simulated = compose_ranks(
+                cfg, parallel_dims, world_size, device, vocab, n_layers, ranks
+            )
             whole = [r for r in range(parallel_dims.pp) if r not in composed]
             if len(whole) < parallel_dims.pp:
                 how = (
