@@ -14,7 +14,7 @@ CONFIG_FILE=${CONFIG_FILE:-"$root/train_configs/debug_model.toml"}
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 # Bad options, files, folders or degrees: one line and exit code 2 in a fraction of a second, before
 # torch is even imported (the exit codes are listed in the README, "Reliability").
-"$PYTHON" -m torchtitan.preflight ${NGPU:+--nproc "$NGPU"} --job.config_file "$CONFIG_FILE" "$@" || exit $?
+"$PYTHON" -m torchtitan.reliability.preflight ${NGPU:+--nproc "$NGPU"} --job.config_file "$CONFIG_FILE" "$@" || exit $?
 if [[ -z "${NGPU:-}" ]]; then
     NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 1)")
 fi
@@ -24,7 +24,7 @@ if [[ "$NGPU" -gt 1 && -z "${OMP_NUM_THREADS:-}" ]] && ! "$PYTHON" -c "import to
     export OMP_NUM_THREADS=$(( $(nproc) / NGPU > 0 ? $(nproc) / NGPU : 1 ))
 fi
 # torchrun, passing SIGTERM/SIGUSR1 on to the workers (they save and exit 75) and exiting with the
-# first failed rank's code in one line (torchtitan/launcher.py).
-exec "$PYTHON" -m torchtitan.launcher --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+# first failed rank's code in one line (torchtitan/reliability/launcher.py).
+exec "$PYTHON" -m torchtitan.reliability.launcher --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
     --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
     "$root/train.py" --job.config_file "$CONFIG_FILE" "$@"

@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import runpy
 import subprocess
 import sys
 import tempfile
@@ -65,14 +66,13 @@ ON_GPU = torch.cuda.is_available()
 def train_step_time(dump_folder: str, extra: list[str]) -> dict:
     """Step seconds of train.py's main(), run in this process: its best steady window as its
     metrics.jsonl reports it (wall time), and this process's CPU time over the same windows."""
-    import train
-
+    train_main = runpy.run_path(str(ROOT / "train.py"))["main"]  # a program: executed, not imported
     cpu_at_step: list[float] = []
     hook = register_optimizer_step_post_hook(lambda *_: cpu_at_step.append(time.process_time()))
     steps = STEADY_FROM + WINDOWS * LOG_FREQ
     argv = [*TRAIN_ARGS, "--training.steps", str(steps), "--metrics.log_freq", str(LOG_FREQ)]
     try:
-        train.main(parse_args([*argv, "--job.dump_folder", dump_folder, *extra]))
+        train_main(parse_args([*argv, "--job.dump_folder", dump_folder, *extra]))
     finally:
         hook.remove()
     with open(os.path.join(dump_folder, "metrics.jsonl")) as f:
@@ -86,18 +86,17 @@ def reference_step_time(extra: list[str], warmup: int = 3) -> dict:
     """Step seconds (wall and CPU, best window) of a minimal PyTorch loop: same model, batch and
     optimizer as train.py, one fixed batch, no data loader, logging, scheduler or checkpointing."""
     from torchtitan.datasets.tokenizer import Tokenizer
-    from torchtitan.models.llama import Transformer, llama3_configs
+    from torchtitan.models import build_model_args
+    from torchtitan.models.llama.model import Transformer
 
-    cfg = parse_args([*TRAIN_ARGS, *extra])
-    tokenizer = Tokenizer(ROOT / cfg.model.tokenizer_path)
-    args = llama3_configs[cfg.model.flavor]
-    args.vocab_size, args.max_seq_len = tokenizer.n_words, cfg.training.seq_len
+    job_config = parse_args([*TRAIN_ARGS, *extra])
+    args = build_model_args(job_config, Tokenizer(ROOT / job_config.model.tokenizer_path).n_words)
     device = torch.device("cuda" if ON_GPU else "cpu")
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device=device)
     model.init_weights(seed=0)
-    o = cfg.optimizer
+    o = job_config.optimizer
     optimizer = torch.optim.AdamW(
         model.parameters(),
         lr=o.lr,
@@ -107,7 +106,9 @@ def reference_step_time(extra: list[str], warmup: int = 3) -> dict:
         foreach=o.implementation == "foreach",
         fused=o.implementation == "fused",
     )
-    tokens = torch.randint(0, args.vocab_size, (cfg.training.batch_size, cfg.training.seq_len + 1))
+    tokens = torch.randint(
+        0, args.vocab_size, (job_config.training.batch_size, job_config.training.seq_len + 1)
+    )
     inputs, labels = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
     wall, cpu = [], []
     for window in range(-warmup, WINDOWS):
@@ -115,7 +116,7 @@ def reference_step_time(extra: list[str], warmup: int = 3) -> dict:
         for _ in range(LOG_FREQ):
             loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten())
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm, foreach=True)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), job_config.training.max_norm, foreach=True)
             optimizer.step()
             optimizer.zero_grad()
         loss.item()  # like train.py's logging step: wait for the device
@@ -151,9 +152,9 @@ def part_data(tmp: str, seconds: float = 5.0) -> dict:
     from torchtitan.datasets.hf_datasets import build_hf_data_loader
     from torchtitan.datasets.tokenizer import Tokenizer
 
-    cfg = parse_args(TRAIN_ARGS)
-    t = cfg.training
-    tokenizer = Tokenizer(ROOT / cfg.model.tokenizer_path)
+    job_config = parse_args(TRAIN_ARGS)
+    t = job_config.training
+    tokenizer = Tokenizer(ROOT / job_config.model.tokenizer_path)
     loader = build_hf_data_loader(t.dataset, t.dataset_path, tokenizer, t.batch_size, t.seq_len, 1, 0)
     batches = iter(loader)
     next(batches)
@@ -189,7 +190,8 @@ def part_fsdp_memory(tmp: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     from torchtitan.datasets.tokenizer import Tokenizer
-    from torchtitan.models.llama import Transformer, llama3_configs
+    from torchtitan.models import build_model_args
+    from torchtitan.models.llama.model import Transformer
     from torchtitan.optimizer import build_optimizer
     from torchtitan.parallelisms.parallel_dims import ParallelDims
     from torchtitan.parallelisms.parallelize_llama import parallelize_llama
@@ -197,18 +199,16 @@ def part_fsdp_memory(tmp: str) -> dict:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1:
         dist.init_process_group("gloo")
-    cfg = parse_args(TRAIN_ARGS)
-    args = llama3_configs[cfg.model.flavor]
-    args.vocab_size = Tokenizer(ROOT / cfg.model.tokenizer_path).n_words
-    args.max_seq_len = cfg.training.seq_len
+    job_config = parse_args(TRAIN_ARGS)
+    args = build_model_args(job_config, Tokenizer(ROOT / job_config.model.tokenizer_path).n_words)
     dims = ParallelDims(dp_shard=-1, world_size=world_size)
     with torch.device("meta"):
         model = Transformer(args)
     mesh = dims.build_mesh("cpu") if world_size > 1 else None
-    model = parallelize_llama(model, mesh, dims, cfg)
+    model = parallelize_llama(model, mesh, dims, job_config)
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
-    optimizer = build_optimizer(model, cfg.optimizer)
+    optimizer = build_optimizer(model, job_config.optimizer)
     tokens = torch.randint(0, args.vocab_size, (2, 33))
     F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
     optimizer.step()
@@ -261,15 +261,15 @@ def run_part(name: str, tmp: str, threads: int, nproc: int = 1) -> dict:
 
 
 def run_all(threads: int, tmp: str) -> dict:
-    cfg = parse_args(TRAIN_ARGS)
-    t = cfg.training
+    job_config = parse_args(TRAIN_ARGS)
+    t = job_config.training
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{os.cpu_count()} CPU cores"
     setup = {
         "device": device,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "threads_per_process": threads,
-        "model": f"{cfg.model.name} {cfg.model.flavor}",
+        "model": f"{job_config.model.name} {job_config.model.flavor}",
         "batch": f"{t.batch_size} x {t.seq_len} tokens, {t.mixed_precision_param}",
         "timing": f"best of {WINDOWS} windows of {LOG_FREQ} steps, after {STEADY_FROM} warmup steps",
     }

@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 
 from torchtitan.checkpoint import CheckpointManager, TrainState  # noqa: E402
 from torchtitan.config_manager import JobConfig  # noqa: E402
-from torchtitan.models.llama import ModelArgs, Transformer  # noqa: E402
+from torchtitan.models.llama import ModelArgs  # noqa: E402
+from torchtitan.models.llama.model import Transformer  # noqa: E402
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer  # noqa: E402
 
 MODEL = ModelArgs(dim=768, n_layers=12, n_heads=12, vocab_size=32000, multiple_of=256, max_seq_len=64)

@@ -58,20 +58,17 @@ from torch.utils._pytree import tree_map_only
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from torchtitan.config_manager import ConfigError, JobConfig, parse_args, resolve_path  # noqa: E402
+from torchtitan.config_rules import check_layout, gradient_accumulation_steps  # noqa: E402
 from torchtitan.datasets.tokenizer import Tokenizer  # noqa: E402
 from torchtitan.distributed import clip_grad_norm_, init_distributed  # noqa: E402
-from torchtitan.models.llama import Transformer  # noqa: E402
+from torchtitan.models import MODEL_FLAVORS  # noqa: E402
+from torchtitan.models.llama.model import Transformer  # noqa: E402
 from torchtitan.optimizer import build_optimizer  # noqa: E402
 from torchtitan.parallelisms.parallel_dims import ParallelDims  # noqa: E402
 from torchtitan.parallelisms.parallelize_llama import DTYPES, parallelize_llama, set_grad_all_reduce  # noqa: E402
-from torchtitan.parallelisms.pipeline_llama import (  # noqa: E402
-    num_microbatches,
-    pipeline_llama,
-    split_model,
-    stage_ids,
-    stage_layers,
-)
-from train import MODEL_CONFIGS, check_layout, gradient_accumulation_steps, loss_fn  # noqa: E402
+from torchtitan.parallelisms.pipeline_layout import num_microbatches, stage_ids, stage_layers  # noqa: E402
+from torchtitan.parallelisms.pipeline_llama import pipeline_llama, split_model  # noqa: E402
+from torchtitan.train_step import loss_fn  # noqa: E402
 
 # MemTracker's memory kinds (FSDPMemTracker's finer ones included) -> the columns printed.
 # Gathered parameters and their all-gather buffers count as parameters, reduce-scatter buffers as
@@ -252,7 +249,7 @@ def build_step(
     optimizer step, and the pipeline schedule (None without PP). With `fake_mode` the parameters
     are fake tensors (run the step under it too); `n_layers` overrides the flavour's depth."""
     model_args = replace(
-        MODEL_CONFIGS[cfg.model.name][cfg.model.flavor],
+        MODEL_FLAVORS[cfg.model.name][cfg.model.flavor],
         vocab_size=vocab_size,
         max_seq_len=cfg.training.seq_len,
     )
@@ -269,8 +266,13 @@ def build_step(
             stage_io = pipeline_stage_io(
                 model, world_mesh, parallel_dims, cfg, device, fake_mode, autocast, vocab_size
             )
-        pp_schedule, model_parts, has_first_stage, has_last_stage = pipeline_llama(
+        pipeline, model_parts = pipeline_llama(
             model, world_mesh, parallel_dims, cfg, device, loss_fn, stage_io
+        )
+        pp_schedule, has_first_stage, has_last_stage = (
+            pipeline.schedule,
+            pipeline.has_first_stage,
+            pipeline.has_last_stage,
         )
     else:
         pp_schedule = None
@@ -587,7 +589,7 @@ def estimate_ranks(
     step takes memory affine in the number of blocks: the halves are simulated on three smaller
     models and, when the three points are in line (checked to the byte), extrapolated to the
     model's depth. Where neither applies, the whole step is simulated."""
-    n_layers = MODEL_CONFIGS[cfg.model.name][cfg.model.flavor].n_layers
+    n_layers = MODEL_FLAVORS[cfg.model.name][cfg.model.flavor].n_layers
     ranks = [pp_rank * world_size // parallel_dims.pp for pp_rank in range(parallel_dims.pp)]
     peak_of = lambda phases: max(phases, key=lambda p: p["peak"])  # noqa: E731
     if parallel_dims.pp_enabled and not full:

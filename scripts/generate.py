@@ -15,18 +15,17 @@ import difflib
 import os
 import sys
 import warnings
-from dataclasses import replace
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from torchtitan.checkpoint import list_checkpoints, saved_entries  # noqa: E402
+from torchtitan.checkpoint_folder import latest_checkpoint_path  # noqa: E402
 from torchtitan.config_manager import ConfigError, JobConfig, parse_args, resolve_path  # noqa: E402
 from torchtitan.datasets.tokenizer import Tokenizer  # noqa: E402
-from torchtitan.models.llama import Transformer  # noqa: E402
-from torchtitan.safe_dcp import SafeLoadPlanner, SafeReader  # noqa: E402
-from train import MODEL_CONFIGS  # noqa: E402
+from torchtitan.models import build_model_args  # noqa: E402
+from torchtitan.models.llama.model import Transformer  # noqa: E402
+from torchtitan.reliability.safe_dcp import SafeLoadPlanner, SafeReader, saved_entries  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,38 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def checkpoint_path(cfg: JobConfig) -> str:
-    """The checkpoint a run would resume from, weights-only exports included."""
-    folder = os.path.join(cfg.job.dump_folder, cfg.checkpoint.folder)
-    steps = list_checkpoints(folder)
-    if cfg.checkpoint.load_step != -1:
-        if cfg.checkpoint.load_step not in steps:
-            raise ConfigError(
-                f"checkpoint.load_step: there is no complete checkpoint step-{cfg.checkpoint.load_step} in "
-                f"{folder}; available steps: {', '.join(map(str, steps)) or 'none'}"
-            )
-        return os.path.join(folder, f"step-{cfg.checkpoint.load_step}")
-    if steps:
-        return os.path.join(folder, f"step-{steps[-1]}")
-    if cfg.checkpoint.initial_load_path is not None:
-        return cfg.checkpoint.initial_load_path
-    raise ConfigError(
-        f"job.dump_folder: no checkpoint in {folder}; point it at a run trained with "
-        "checkpoint.enable_checkpoint, or set checkpoint.initial_load_path"
-    )
-
-
-def load_model(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device) -> Transformer:
+def load_model(job_config: JobConfig, tokenizer: Tokenizer, device: torch.device) -> Transformer:
     """The model as train.py builds it (the vocabulary padded to model.vocab_size, the context of
     training.seq_len), with the checkpoint's weights."""
-    flavors = MODEL_CONFIGS[cfg.model.name]
-    if cfg.model.flavor not in flavors:
-        raise ConfigError(f"model.flavor: {cfg.model.name} has no flavor {cfg.model.flavor!r}")
-    vocab_size = max(cfg.model.vocab_size, tokenizer.n_words)
-    model_args = replace(flavors[cfg.model.flavor], vocab_size=vocab_size, max_seq_len=cfg.training.seq_len)
-    path = checkpoint_path(cfg)
-    if not os.path.isfile(os.path.join(path, ".metadata")):
-        raise ConfigError(f"checkpoint: {path} is not a DCP checkpoint (no .metadata)")
+    model_args = build_model_args(job_config, tokenizer.n_words)
+    path = latest_checkpoint_path(job_config)
     with torch.device(device):
         model = Transformer.from_model_args(model_args)  # random weights, then replaced
     state = {"model": model.state_dict()}
@@ -94,7 +66,7 @@ def load_model(cfg: JobConfig, tokenizer: Tokenizer, device: torch.device) -> Tr
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     # In place, converting an export's dtype; the safe reader runs no code from the checkpoint's files.
     dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
-    print(f"Loaded {cfg.model.name} {cfg.model.flavor} from {path}", file=sys.stderr)
+    print(f"Loaded {job_config.model.name} {job_config.model.flavor} from {path}", file=sys.stderr)
     return model.eval()
 
 
@@ -153,10 +125,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--temperature: must be >= 0, got {args.temperature}")
         if args.top_k is not None and args.top_k < 1:
             raise ConfigError(f"--top_k: must be >= 1, got {args.top_k}")
-        cfg = parse_args(job_argv)
+        job_config = parse_args(job_argv)
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        tokenizer = Tokenizer(resolve_path(cfg.model.tokenizer_path))
-        model = load_model(cfg, tokenizer, device)
+        tokenizer = Tokenizer(resolve_path(job_config.model.tokenizer_path))
+        model = load_model(job_config, tokenizer, device)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

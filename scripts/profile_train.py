@@ -1,5 +1,5 @@
 """Find what stands between a GPU training step and the hardware: run train.py's main() in this
-process, with the same options, and report
+process (executed from its file, as a program), with the same options, and report
 
 - where the CUDA time of a few steady steps goes (matmuls, attention, optimizer, the rest), and
   how much of the step the GPU sits idle waiting for the host;
@@ -13,6 +13,7 @@ Its figures are for diagnosis: the reported throughput comes from train.py's own
 """
 
 import os
+import runpy
 import sys
 import time
 import traceback
@@ -24,7 +25,6 @@ from torch.autograd import DeviceType
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import train  # noqa: E402
 from torchtitan.config_manager import parse_args  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,9 +55,9 @@ def caller(stack: list[traceback.FrameSummary]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    cfg = parse_args(argv)
+    job_config = parse_args(argv)
     warmup, active = 4, 3
-    first_active = cfg.training.steps - active  # profile the last steps, after compilation
+    first_active = job_config.training.steps - active  # profile the last steps, after compilation
     if first_active <= warmup:
         raise SystemExit(f"--training.steps must be above {warmup + active}")
     step_times: list[float] = []
@@ -82,7 +82,7 @@ def main(argv: list[str]) -> None:
         with profiler, warnings.catch_warnings():
             warnings.simplefilter("always")
             warnings.showwarning = record_sync
-            train.main(cfg)
+            runpy.run_path(os.path.join(REPO, "train.py"))["main"](job_config)
     finally:
         if torch.cuda.is_available():
             torch.cuda.set_sync_debug_mode(0)
@@ -100,7 +100,8 @@ def main(argv: list[str]) -> None:
     window = step_times[first_active - 1 :]  # hook times bracketing the profiled steps
     wall_ms = 1e3 * (window[-1] - window[0]) / (len(window) - 1)
     print(
-        f"\nProfiled steps {first_active + 1}-{cfg.training.steps}: GPU busy {busy_ms:.1f} ms per step; "
+        f"\nProfiled steps {first_active + 1}-{job_config.training.steps}: GPU busy {busy_ms:.1f} ms per "
+        "step; "
         f"host-side wall time per step {wall_ms:.1f} ms (profiler on; train.py's step_time is the figure)"
     )
     if not busy_ms:
@@ -114,7 +115,7 @@ def main(argv: list[str]) -> None:
     print(
         f"\nHost-device syncs from step 3 on, by the optimizer steps done when each happened (a sync "
         f"while logging step N, or in step N+1 before its optimizer step); log steps: every "
-        f"{cfg.metrics.log_freq} and the last:"
+        f"{job_config.metrics.log_freq} and the last:"
     )
     for where, steps in sorted(syncs.items(), key=lambda kv: -len(kv[1])):
         shown = sorted(set(steps))

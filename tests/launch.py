@@ -1,7 +1,10 @@
 """Run train.py under torchrun as a user would, and read back what it logged."""
 
+import gc
 import json
 import os
+import runpy
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +30,19 @@ TINY_JOB = [
     "--training.mixed_precision_reduce",
     "float32",
 ]
+
+
+def run_train_in_process(*argv: str) -> int:
+    """train.py's run() in this process (no interpreter start-up). train.py is a program, not a
+    library: it is executed from its file, as torchrun would, without its `__main__` block. Undoes
+    what main() sets globally (signal handlers, automatic GC off)."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        return runpy.run_path(str(ROOT / "train.py"))["run"](list(argv))
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        gc.enable()
 
 
 def run_train(nproc: int, dump_folder: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -1,15 +1,13 @@
 """Every kind of bad input stops the job with exit code 2 and one line naming the option or file (no
 traceback), before any heavy work, and leaves the dump folder exactly as it was.
 
-Most cases run train.run() in this process (what each rank runs); a few go through
+Most cases run train.py's run() in this process (what each rank runs); a few go through
 run_llama_train.sh end to end, where the preflight answers before torch is imported."""
 
-import gc
 import hashlib
 import os
 import pickle
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -19,10 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from launch import ROOT, TINY_JOB
+from launch import ROOT, TINY_JOB, run_train_in_process
 
-import train
-from torchtitan.safe_dcp import SafeLoadPlanner, SafeReader, read_checkpoint
+from torchtitan.reliability.safe_dcp import SafeLoadPlanner, SafeReader, read_checkpoint
 
 CKPT = ["--checkpoint.enable_checkpoint", "true"]
 
@@ -39,13 +36,7 @@ def folder_hashes(folder: Path) -> dict[str, str]:
 def trained(tmp_path_factory):
     """A dump folder holding a real one-step run: checkpoint step-1 and metrics.jsonl."""
     dump = tmp_path_factory.mktemp("trained")
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        code = train.run([*TINY_JOB, *CKPT, "--training.steps", "1", "--job.dump_folder", str(dump)])
-    finally:  # main() installs its stop-signal handlers and turns the garbage collector off
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        gc.enable()
+    code = run_train_in_process(*TINY_JOB, *CKPT, "--training.steps", "1", "--job.dump_folder", str(dump))
     assert code == 0
     assert (dump / "checkpoint" / "step-1" / ".metadata").is_file()
     return dump
@@ -274,7 +265,7 @@ def test_bad_input_is_one_line_and_changes_nothing(case, trained, tmp_path, caps
         monkeypatch.setenv(key, value)
     watched = [dump, trained]
     before = [folder_hashes(folder) for folder in watched]
-    code = train.run([*TINY_JOB, "--job.dump_folder", str(dump), *extra])
+    code = run_train_in_process(*TINY_JOB, "--job.dump_folder", str(dump), *extra)
     err = capsys.readouterr().err
     assert code == 2, err
     # Ours is the last line; a library may have printed a progress bar or warning before it.
@@ -306,7 +297,8 @@ def test_project_state_loads_as_plain_data(trained):
 
 
 def test_preflight_imports_no_torch():
-    code = "import sys, torchtitan.preflight, torchtitan.launcher; sys.exit('torch' in sys.modules)"
+    modules = "torchtitan.reliability.preflight, torchtitan.reliability.launcher"
+    code = f"import sys, {modules}; sys.exit('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT)
     assert result.returncode == 0
 
@@ -334,8 +326,9 @@ def run_script(tmp_path, *extra, env=None, timeout=300):
         ),
         ([], {"NGPU": "two"}, "error: NGPU: expected a number of processes, got 'two'"),
         ([], {"CONFIG_FILE": "/nonexistent.toml"}, "error: job.config_file: no such file"),
+        (["--model.flavor", "3B"], None, "error: model.flavor: llama3 has no flavor '3B'; choose one of"),
     ],
-    ids=["unknown option", "degrees vs NGPU", "NGPU not a number", "missing recipe"],
+    ids=["unknown option", "degrees vs NGPU", "NGPU not a number", "missing recipe", "unknown flavor"],
 )
 def test_launch_script_preflight(tmp_path, extra, env, message):
     start = time.perf_counter()
@@ -348,12 +341,13 @@ def test_launch_script_preflight(tmp_path, extra, env, message):
 
 
 def test_launch_script_worker_error_is_one_line(tmp_path):
-    """An error only a worker can see (it needs the model): the launcher passes on its exit code 2
-    without torchrun's ChildFailedError traceback."""
-    result = run_script(tmp_path, "--model.flavor", "3B")
+    """An error only a worker can see (it needs the tokenizer's vocabulary): the launcher passes on
+    its exit code 2 without torchrun's ChildFailedError traceback."""
+    result = run_script(tmp_path, "--model.vocab_size", "10")
     out = result.stdout + result.stderr
     assert result.returncode == 2, out
     assert "Traceback" not in out and "ChildFailedError" not in out
     assert [line for line in out.splitlines() if "error:" in line] == [
-        "[rank0]:error: model.flavor: llama3 has no flavor '3B'; choose one of debugmodel, 1B, 8B, 70B, 405B"
+        "[rank0]:error: model.vocab_size: 10 is smaller than the tokenizer's 2256 tokens; "
+        "use -1 or a larger value"
     ]

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from torchtitan.checkpoint import CheckpointManager, TrainState, saved_entries
-from torchtitan.config_manager import Checkpoint, ConfigError, JobConfig
-from torchtitan.models.llama import ModelArgs, Transformer
+from torchtitan.config_manager import CheckpointConfig, ConfigError, JobConfig
+from torchtitan.models.llama import ModelArgs
+from torchtitan.models.llama.model import Transformer
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -75,7 +76,7 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 
 
 def test_loadable_parts_are_the_options_choices(tmp_path):
-    choices = {f.name: f.metadata["choices"] for f in fields(Checkpoint)}["exclude_from_loading"]
+    choices = {f.name: f.metadata["choices"] for f in fields(CheckpointConfig)}["exclude_from_loading"]
     assert set(Run(tmp_path).checkpoint.states) == set(choices)
 
 
@@ -181,7 +182,7 @@ def test_initial_load_path_starts_a_new_run_from_model_weights(tmp_path):
     assert finetune.train_state.step == 0 and finetune.position.value == 0
     assert finetune.optimizer.state_dict()["state"] == {}
 
-    finetune.checkpoint.cfg.interval = 1
+    finetune.checkpoint.checkpoint_config.interval = 1
     finetune.train(1)
     own = finetune.weights()
     restarted = Run(tmp_path / "finetune", seed=1, initial_load_path=path)

@@ -10,8 +10,9 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from scripts import convert_dcp_to_hf, convert_dcp_to_torch, convert_hf_to_dcp
 from torchtitan.checkpoint import read_model_weights
-from torchtitan.models.llama import ModelArgs, Transformer
+from torchtitan.models.llama import ModelArgs
 from torchtitan.models.llama.hf_convert import halves_to_interleaved, interleaved_to_halves
+from torchtitan.models.llama.model import Transformer
 
 # GQA (8 query heads sharing 2 kv heads) and Llama 3.1's scaled RoPE, with low frequencies that it scales.
 TINY_GQA = ModelArgs(

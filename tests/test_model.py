@@ -15,13 +15,19 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from torchtitan.models import init as init_lib
-from torchtitan.models.llama import ModelArgs, Transformer, llama2_configs, llama3_configs
-from torchtitan.models.llama.model import apply_rotary_emb, precompute_freqs_cis
+from torchtitan.models.llama import ModelArgs, llama2_configs, llama3_configs
+from torchtitan.models.llama.model import Transformer, apply_rotary_emb, precompute_freqs_cis
 
 TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=64)
 # Odd vocab (131) and SwiGLU hidden dim (int(1.3 * 106) = 137): uneven shards over 2 ranks.
 ODD = ModelArgs(
-    dim=40, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=131, multiple_of=1, ffn_dim_multiplier=1.3,
+    dim=40,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=131,
+    multiple_of=1,
+    ffn_dim_multiplier=1.3,
     max_seq_len=32,
 )
 SEED = 7
@@ -108,8 +114,15 @@ def test_state_dict_uses_meta_names():
     with torch.device("meta"):
         model = Transformer(TINY)
     per_layer = [
-        "attention.wq", "attention.wk", "attention.wv", "attention.wo",
-        "feed_forward.w1", "feed_forward.w2", "feed_forward.w3", "attention_norm", "ffn_norm",
+        "attention.wq",
+        "attention.wk",
+        "attention.wv",
+        "attention.wo",
+        "feed_forward.w1",
+        "feed_forward.w2",
+        "feed_forward.w3",
+        "attention_norm",
+        "ffn_norm",
     ]
     expected = {"tok_embeddings.weight", "norm.weight", "output.weight"} | {
         f"layers.{i}.{name}.weight" for i in range(TINY.n_layers) for name in per_layer

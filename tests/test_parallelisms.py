@@ -11,17 +11,21 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from launch import TINY_JOB
+from launch import TINY_JOB, run_train_in_process
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import torchtitan.datasets.tokenizer
+import torchtitan.distributed
 from torchtitan.config_manager import JobConfig, parse_args
+from torchtitan.config_rules import gradient_accumulation_steps
 from torchtitan.distributed import clip_grad_norm_
 from torchtitan.models.init import clean_fqn
-from torchtitan.models.llama import ModelArgs, Transformer
+from torchtitan.models.llama import ModelArgs
+from torchtitan.models.llama.model import Transformer
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.parallelize_llama import (
     apply_ac,
@@ -86,31 +90,28 @@ SEED = 3
     ],
 )
 def test_impossible_layout_fails_before_any_work(monkeypatch, capsys, world_size, argv, message):
-    import train  # here, not at the top: the processes spawned below need not import the trainer
-
     def too_late(*args, **kwargs):
         raise AssertionError("the layout was not rejected before the work started")
 
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
-    monkeypatch.setattr(train, "init_distributed", lambda timeout: (world_size, 0, torch.device("cpu")))
+    init = lambda timeout: (world_size, 0, torch.device("cpu"))  # noqa: E731
+    monkeypatch.setattr(torchtitan.distributed, "init_distributed", init)
     monkeypatch.setattr(ParallelDims, "build_mesh", too_late)
-    monkeypatch.setattr(train, "Tokenizer", too_late)
-    assert train.run([*TINY_JOB, *argv]) == 2
+    monkeypatch.setattr(torchtitan.datasets.tokenizer, "Tokenizer", too_late)
+    assert run_train_in_process(*TINY_JOB, *argv) == 2
     err = capsys.readouterr().err
     assert message in err
     assert err.count("\n") == 1, err
 
 
 def test_gradient_accumulation_steps():
-    import train
-
     dims = ParallelDims(dp_shard=2, dp_replicate=2, world_size=4)
     config = parse_args(["--training.batch_size", "2"])
-    assert train.gradient_accumulation_steps(config.training, dims) == 1
+    assert gradient_accumulation_steps(config.training, dims) == 1
     config.training.global_batch_size = 8
-    assert train.gradient_accumulation_steps(config.training, dims) == 1
+    assert gradient_accumulation_steps(config.training, dims) == 1
     config.training.global_batch_size = 24
-    assert train.gradient_accumulation_steps(config.training, dims) == 3
+    assert gradient_accumulation_steps(config.training, dims) == 3
 
 
 # ---------------------------------------------------------------------------------------------

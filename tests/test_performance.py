@@ -1,19 +1,18 @@
 """What the performance figures rest on: the FLOPs counted per token, the peak table, the 1B recipe."""
 
-import gc
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
-from launch import ROOT
+from launch import ROOT, run_train_in_process
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-import train
 from torchtitan.metrics import flops_per_token as flops_per_token_fn
 from torchtitan.metrics import peak_flops
-from torchtitan.models.llama import ModelArgs, Transformer, llama3_configs
+from torchtitan.models.llama import ModelArgs, llama3_configs
+from torchtitan.models.llama.model import Transformer
 
 
 def test_flops_per_token_matches_the_flops_torch_counts():
@@ -82,12 +81,9 @@ def test_vocab_size_pads_the_model_or_is_rejected(tmp_path, capsys):
     job = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--job.dump_folder"]
     tiny = ["--training.steps", "1", "--training.seq_len", "16", "--training.batch_size", "1"]
     tiny += ["--checkpoint.enable_checkpoint", "false"]
-    assert train.run([*job, str(tmp_path / "small"), "--model.vocab_size", "100"]) == 2
+    assert run_train_in_process(*job, str(tmp_path / "small"), "--model.vocab_size", "100") == 2
     err = capsys.readouterr().err
     assert "model.vocab_size: 100 is smaller than the tokenizer's 2256 tokens" in err
-    try:
-        assert train.run([*job, str(tmp_path / "padded"), *tiny, "--model.vocab_size", "3000"]) == 0
-    finally:
-        gc.enable()  # main() turns automatic GC off for the loop
+    assert run_train_in_process(*job, str(tmp_path / "padded"), *tiny, "--model.vocab_size", "3000") == 0
     expected = 6 * (4 * 256**2 + 3 * 256 * 768 + 512) + 256 + 2 * 3000 * 256
     assert f"Model llama3 debugmodel: {expected:,} parameters" in capsys.readouterr().out

@@ -5,12 +5,15 @@ import shutil
 import pytest
 import torch
 from launch import read_metrics, run_train
-from torch.distributed.pipelining.schedules import get_schedule_class
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from torchtitan.checkpoint import merge_model_parts
-from torchtitan.config_manager import ConfigError, JobConfig, Parallelism, default_of, parse_args
-from torchtitan.models.llama import ModelArgs, Transformer
-from torchtitan.parallelisms.pipeline_llama import split_model, stage_ids, stage_layers, validate_pipeline
+from torchtitan.config_manager import ConfigError, JobConfig, ParallelismConfig, default_of, parse_args
+from torchtitan.config_rules import check_pipeline
+from torchtitan.models.llama import ModelArgs
+from torchtitan.models.llama.model import Transformer
+from torchtitan.parallelisms.pipeline_layout import SINGLE_STAGE_SCHEDULES, stage_ids, stage_layers
+from torchtitan.parallelisms.pipeline_llama import split_model
 
 TINY = ModelArgs(dim=32, n_layers=6, n_heads=4, vocab_size=64, multiple_of=16, max_seq_len=16)
 
@@ -37,10 +40,12 @@ def as_lists(ranges: list[range]) -> list[list[int]]:
 
 
 def test_every_schedule_choice_is_a_torch_schedule():
-    choices = Parallelism.__dataclass_fields__["pipeline_parallel_schedule"].metadata["choices"]
+    choices = ParallelismConfig.__dataclass_fields__["pipeline_parallel_schedule"].metadata["choices"]
     for name in choices:
         assert get_schedule_class(name).__name__ == "Schedule" + name
-    assert default_of(Parallelism.__dataclass_fields__["pipeline_parallel_schedule"]) in choices
+        single = issubclass(get_schedule_class(name), PipelineScheduleSingle)
+        assert single == (name in SINGLE_STAGE_SCHEDULES), name
+    assert default_of(ParallelismConfig.__dataclass_fields__["pipeline_parallel_schedule"]) in choices
 
 
 def test_even_split_gives_extra_layers_to_early_stages():
@@ -102,7 +107,7 @@ def test_stage_ids_loop_and_v():
 )
 def test_bad_pipeline_layout_is_a_one_line_error(kwargs, message):
     with pytest.raises(ConfigError) as err:
-        validate_pipeline(pp_config(**kwargs), n_layers=6)
+        check_pipeline(pp_config(**kwargs), n_layers=6)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
 
@@ -111,9 +116,9 @@ def test_split_backward_schedules_refuse_compile():
     config = pp_config(schedule="ZBVZeroBubble")
     config.training.compile = True
     with pytest.raises(ConfigError, match="ZBVZeroBubble cannot run compiled blocks; set training.compile"):
-        validate_pipeline(config, n_layers=6)
+        check_pipeline(config, n_layers=6)
     config.parallelism.pipeline_parallel_schedule = "Interleaved1F1B"
-    validate_pipeline(config, n_layers=6)
+    check_pipeline(config, n_layers=6)
 
 
 def test_unknown_schedule_is_a_config_error():
@@ -157,7 +162,7 @@ def test_stages_keep_fqns_and_get_the_one_process_weights():
 
 def test_default_microbatches_is_the_number_of_stages():
     assert JobConfig().parallelism.pipeline_parallel_microbatches is None
-    validate_pipeline(pp_config(schedule="Interleaved1F1B", batch=4), n_layers=6)  # 4 stages, 4 micro-batches
+    check_pipeline(pp_config(schedule="Interleaved1F1B", batch=4), n_layers=6)  # 4 stages, 4 micro-batches
 
 
 # End-to-end under torchrun: 1 process with batch 4 against pipeline layouts with the same global

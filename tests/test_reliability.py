@@ -3,7 +3,6 @@
 The jobs come from scripts/chaos.py: 2 ranks started directly (the environment torchrun would give
 them), so that one rank can be signalled, stopped or killed alone."""
 
-import gc
 import os
 import signal
 import subprocess
@@ -12,14 +11,14 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from launch import ROOT, read_metrics
+from launch import ROOT, read_metrics, run_train_in_process
 from torch.distributed.checkpoint.utils import _wrap_exception
 
-import train
 from scripts import chaos
-from torchtitan.config_manager import Comm
-from torchtitan.reliability import StopRequest, comm_failure_message
-from torchtitan.safe_dcp import read_checkpoint
+from torchtitan.config_manager import CommConfig
+from torchtitan.reliability.errors import comm_failure_message
+from torchtitan.reliability.guards import StopRequest
+from torchtitan.reliability.safe_dcp import read_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -165,19 +164,8 @@ def all_finite(path) -> bool:
     )
 
 
-def run_in_process(*argv: str) -> int:
-    """train.run() in this process (no interpreter start-up); undoes what main() sets globally."""
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        return train.run(list(argv))
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        gc.enable()
-
-
 def test_nonfinite_step_stops_before_saving(tmp_path, capsys):
-    assert run_in_process(*NONFINITE_JOB, "--job.dump_folder", str(tmp_path)) == 3
+    assert run_train_in_process(*NONFINITE_JOB, "--job.dump_folder", str(tmp_path)) == 3
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert errors == [
         "error: step 2: the gradient norm is not finite; stopped at step 2 without saving (the checkpoints "
@@ -189,7 +177,7 @@ def test_nonfinite_step_stops_before_saving(tmp_path, capsys):
 
 def test_nonfinite_steps_skipped_and_counted(tmp_path):
     args = [*NONFINITE_JOB, "--training.skip_nonfinite_steps", "true", "--job.dump_folder", str(tmp_path)]
-    assert run_in_process(*args) == 0
+    assert run_train_in_process(*args) == 0
     assert [(r["step"], r["skipped_steps"]) for r in read_metrics(tmp_path)] == [(1, 0), (3, 2)]
     first, last = (read_checkpoint(str(tmp_path / "checkpoint" / f"step-{s}")) for s in (1, 3))
     assert all_finite(tmp_path / "checkpoint" / "step-3")
@@ -211,7 +199,7 @@ def test_stop_request_without_process_group():
 
 
 def test_comm_failure_messages():
-    comm = Comm(init_timeout_seconds=300, train_timeout_seconds=10)
+    comm = CommConfig(init_timeout_seconds=300, train_timeout_seconds=10)
     gloo_timeout = RuntimeError(
         "[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 10000ms for recv"
     )

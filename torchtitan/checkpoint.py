@@ -4,10 +4,10 @@ A checkpoint is written to `step-N.tmp` and renamed to `step-N` once complete, s
 `step-N` is always whole and a crash mid-save never costs the previous checkpoint."""
 
 import os
-import re
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -27,13 +27,19 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 
+from torchtitan.checkpoint_folder import (
+    LEFTOVER_DIR,
+    STEP_DIR,
+    check_initial_load_path,
+    check_load_step,
+    checkpoint_folder,
+    is_complete,
+    list_checkpoints,
+)
 from torchtitan.config_manager import ConfigError, JobConfig
 from torchtitan.logging import logger
-from torchtitan.safe_dcp import SafeLoadPlanner, SafeReader
+from torchtitan.reliability.safe_dcp import SafeLoadPlanner, SafeReader, read_checkpoint, saved_entries
 
-STEP_DIR = re.compile(r"^step-(\d+)$")
-# Folders of a save or a deletion cut short; never loaded, removed at start.
-LEFTOVER_DIR = re.compile(r"^step-\d+\.(tmp|old|purging)$")
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -136,29 +142,11 @@ class RNGState(Stateful):
             torch.cuda.set_rng_state(states["cuda"])
 
 
-def list_checkpoints(folder: str) -> list[int]:
-    """Steps of the complete checkpoints in `folder`, oldest first."""
-    if not os.path.isdir(folder):
-        return []
-    steps = [int(m.group(1)) for name in os.listdir(folder) if (m := STEP_DIR.match(name))]
-    return sorted(s for s in steps if os.path.isfile(os.path.join(folder, f"step-{s}", ".metadata")))
-
-
-def saved_entries(path: str) -> dict[str, Any]:
-    """What a DCP checkpoint holds: flattened key ('model.norm.weight', 'train_state.step') -> metadata."""
-    return SafeReader(path).read_metadata().state_dict_metadata
-
-
 def read_model_weights(path: str) -> dict[str, torch.Tensor]:
     """The whole model's weights in a checkpoint, as plain CPU tensors (read in this one process)."""
-    weights = {
-        key.removeprefix("model."): torch.empty(entry.size, dtype=entry.properties.dtype)
-        for key, entry in saved_entries(path).items()
-        if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
-    }
+    weights = {key.removeprefix("model."): value for key, value in read_checkpoint(path, "model.").items()}
     if not weights:
         raise ValueError(f"{path} holds no model weights")
-    dcp.load({"model": weights}, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), no_dist=True)
     return weights
 
 
@@ -189,9 +177,9 @@ class CheckpointManager:
     ) -> None:
         if isinstance(model, list):
             model = merge_model_parts(model)
-        self.cfg = job_config.checkpoint
-        self.enabled = self.cfg.enable_checkpoint
-        self.folder = os.path.join(job_config.job.dump_folder, self.cfg.folder)
+        self.checkpoint_config = job_config.checkpoint
+        self.enabled = self.checkpoint_config.enable_checkpoint
+        self.folder = checkpoint_folder(job_config)
         self.states = {
             "model": ModelState(model),
             "optimizer": OptimizerState(model, optimizer),
@@ -204,8 +192,8 @@ class CheckpointManager:
         self._pending: tuple[int, Future] | None = None  # an async save not yet committed
         self._purger: threading.Thread | None = None
         self._stager: DefaultStager | None = None
-        if self.enabled and self.cfg.async_mode != "disabled":
-            self._setup_async(pinned=self.cfg.async_mode == "async_with_pinned_mem")
+        if self.enabled and self.checkpoint_config.async_mode != "disabled":
+            self._setup_async(pinned=self.checkpoint_config.async_mode == "async_with_pinned_mem")
 
     def _setup_async(self, pinned: bool) -> None:
         """Staging copies the state into CPU memory before `async_save` returns, so the next optimizer
@@ -242,11 +230,12 @@ class CheckpointManager:
             self._remove_leftovers()
             step = self._step_to_load(list_checkpoints(self.folder))
         if step is not None:
-            parts = [part for part in self.states if part not in self.cfg.exclude_from_loading]
+            parts = [part for part in self.states if part not in self.checkpoint_config.exclude_from_loading]
             self._load(self._path(step), parts)
             return step
-        if self.cfg.initial_load_path is not None:
-            self._load(self.cfg.initial_load_path, ["model"])
+        if self.checkpoint_config.initial_load_path is not None:
+            check_initial_load_path(self.checkpoint_config)
+            self._load(self.checkpoint_config.initial_load_path, ["model"])
         return None
 
     def _remove_leftovers(self) -> None:
@@ -257,17 +246,13 @@ class CheckpointManager:
             if LEFTOVER_DIR.match(name):
                 logger.warning(f"Removing {path}: left by a save or deletion that was cut short")
                 shutil.rmtree(path, ignore_errors=True)
-            elif STEP_DIR.match(name) and not os.path.isfile(os.path.join(path, ".metadata")):
+            elif STEP_DIR.match(name) and not is_complete(path):
                 logger.warning(f"Ignoring {path}: it has no .metadata, so it is incomplete")
 
     def _step_to_load(self, steps: list[int]) -> int | None:
-        if self.cfg.load_step != -1:
-            if self.cfg.load_step not in steps:
-                raise ConfigError(
-                    f"checkpoint.load_step: there is no complete checkpoint step-{self.cfg.load_step} in "
-                    f"{self.folder}; available steps: {', '.join(map(str, steps)) or 'none'}"
-                )
-            return self.cfg.load_step
+        if self.checkpoint_config.load_step != -1:
+            check_load_step(self.checkpoint_config, self.folder)
+            return self.checkpoint_config.load_step
         for step in reversed(steps):
             if "train_state.step" in saved_entries(self._path(step)):
                 return step
@@ -275,8 +260,6 @@ class CheckpointManager:
         return None
 
     def _load(self, path: str, parts: list[str]) -> None:
-        if not os.path.isfile(os.path.join(path, ".metadata")):
-            raise ConfigError(f"checkpoint.initial_load_path: {path} is not a DCP checkpoint (no .metadata)")
         saved = saved_entries(path)
         if "model" in parts:
             self._check_model_shapes(path, saved)
@@ -295,7 +278,7 @@ class CheckpointManager:
         try:
             dcp.load(
                 {part: self.states[part] for part in parts},
-                storage_reader=SafeReader(path),  # runs no code from the files (torchtitan/safe_dcp.py)
+                storage_reader=SafeReader(path),  # runs no code from the files (reliability/safe_dcp.py)
                 planner=SafeLoadPlanner(),
             )
         except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException
@@ -326,18 +309,19 @@ class CheckpointManager:
         if extra:
             raise ConfigError(f"checkpoint: {path} holds {extra[0][6:]}, which the model lacks; {hint}")
 
-    def will_save(self, step: int, last_step: bool, force: bool = False) -> bool:
-        """Whether maybe_save(step, last_step, force) writes a checkpoint."""
-        return self.enabled and (step % self.cfg.interval == 0 or last_step or force)
-
-    def maybe_save(self, step: int, last_step: bool, force: bool = False) -> None:
+    def maybe_save(
+        self, step: int, last_step: bool, force: bool = False, before_save: Callable[[], None] | None = None
+    ) -> None:
         """Save every checkpoint.interval steps, at the last step and when `force`d (a preemption: the
-        full state, to resume from); commit a finished async save."""
+        full state, to resume from), calling `before_save` first (it may raise to refuse the state);
+        commit a finished async save."""
         if not self.enabled:
             return
         if self._pending is not None and self._pending[1].done():
             self.wait()
-        if self.will_save(step, last_step, force):
+        if step % self.checkpoint_config.interval == 0 or last_step or force:
+            if before_save is not None:
+                before_save()
             self.save(step, last_step)
 
     def save(self, step: int, last_step: bool = False) -> None:
@@ -346,8 +330,8 @@ class CheckpointManager:
         self.wait()
         tmp = self._path(step) + ".tmp"
         state: dict[str, Any] = self.states
-        if last_step and self.cfg.model_weights_only:
-            dtype = EXPORT_DTYPES[self.cfg.export_dtype]
+        if last_step and self.checkpoint_config.model_weights_only:
+            dtype = EXPORT_DTYPES[self.checkpoint_config.export_dtype]
             state = {"model": {k: v.to(dtype) for k, v in self.states["model"].state_dict().items()}}
         if self._stager is None or last_step:
             dcp.save(state, checkpoint_id=tmp)
@@ -385,13 +369,13 @@ class CheckpointManager:
         _fsync_dir(self.folder)
         shutil.rmtree(final + ".old", ignore_errors=True)
         logger.info(f"Saved checkpoint {final}")
-        if self.cfg.keep_latest_k > 0:
+        if self.checkpoint_config.keep_latest_k > 0:
             self._purge(keep=step)
 
     def _purge(self, keep: int) -> None:
         if self._purger is not None:
             self._purger.join()
-        old = [s for s in list_checkpoints(self.folder)[: -self.cfg.keep_latest_k] if s != keep]
+        old = [s for s in list_checkpoints(self.folder)[: -self.checkpoint_config.keep_latest_k] if s != keep]
         if old:
             self._purger = threading.Thread(target=self._delete, args=(old,), daemon=True)
             self._purger.start()

@@ -37,7 +37,7 @@ def default_of(option: Field) -> Any:
 
 
 @dataclass
-class Job:
+class JobSectionConfig:
     config_file: str | None = opt(None, "TOML job file to read before the command-line overrides")
     dump_folder: str = opt("./outputs", "Folder for checkpoints, metrics.jsonl, traces and logs")
     description: str = opt("default job", "Free text describing the job, printed at start")
@@ -45,7 +45,7 @@ class Job:
 
 
 @dataclass
-class Model:
+class ModelConfig:
     name: str = opt("llama3", "Model family", choices=("llama2", "llama3"))
     flavor: str = opt("debugmodel", "Model size within the family, e.g. debugmodel, 8B, 70B, 405B")
     tokenizer_path: str = opt(
@@ -62,7 +62,7 @@ class Model:
 
 
 @dataclass
-class Optimizer:
+class OptimizerConfig:
     name: str = opt("AdamW", "Optimizer", choices=("AdamW", "Adam"))
     lr: float = opt(8e-4, "Peak learning rate", min=0.0)
     beta1: float = opt(0.9, "Adam beta1", min=0.0)
@@ -77,7 +77,7 @@ class Optimizer:
 
 
 @dataclass
-class LRScheduler:
+class LRSchedulerConfig:
     warmup_steps: int = opt(200, "Steps of linear warmup from near 0 to optimizer.lr", min=0)
     decay_ratio: float | None = opt(
         None,
@@ -89,7 +89,7 @@ class LRScheduler:
 
 
 @dataclass
-class Training:
+class TrainingConfig:
     dataset: str = opt("kjv", "Named dataset: kjv (bundled), c4 (streamed from the Hugging Face hub)")
     dataset_path: str | None = opt(
         None, "Local file or folder (txt/json/jsonl/parquet) overriding the dataset"
@@ -126,7 +126,7 @@ class Training:
 
 
 @dataclass
-class Parallelism:
+class ParallelismConfig:
     data_parallel_shard_degree: int = opt(
         -1, "FSDP degree; -1 uses all ranks left by the other degrees", min=-1
     )
@@ -180,7 +180,7 @@ class Parallelism:
 
 
 @dataclass
-class ActivationCheckpoint:
+class ActivationCheckpointConfig:
     mode: str = opt(
         "none",
         "Recompute activations in backward instead of keeping them: none, full (every block) or "
@@ -195,7 +195,7 @@ class ActivationCheckpoint:
 
 
 @dataclass
-class Checkpoint:
+class CheckpointConfig:
     enable_checkpoint: bool = opt(False, "Save checkpoints and resume from the latest one")
     folder: str = opt("checkpoint", "Checkpoint folder, inside job.dump_folder")
     interval: int = opt(500, "Save every N steps (and at the last step)", min=1)
@@ -230,14 +230,14 @@ class Checkpoint:
 
 
 @dataclass
-class Metrics:
+class MetricsConfig:
     log_freq: int = opt(10, "Log every N steps (and the first and last)", min=1)
     enable_wandb: bool = opt(False, "Also log to Weights & Biases (WANDB_MODE=offline works without network)")
     enable_color_printing: bool | None = opt(None, "Colour the log; unset: colour only on a terminal")
 
 
 @dataclass
-class Profiling:
+class ProfilingConfig:
     enable_profiling: bool = opt(False, "Write torch profiler traces of one step in every profile_freq")
     save_traces_folder: str = opt(
         "profile_traces", "Trace folder, inside job.dump_folder (iteration_N/rank{r}_trace.json)"
@@ -252,24 +252,24 @@ class Profiling:
 
 
 @dataclass
-class Comm:
+class CommConfig:
     init_timeout_seconds: int = opt(300, "Timeout for process-group setup and the first step", min=1)
     train_timeout_seconds: int = opt(100, "Timeout of collectives after the first step", min=1)
 
 
 @dataclass
 class JobConfig:
-    job: Job = field(default_factory=Job)
-    model: Model = field(default_factory=Model)
-    optimizer: Optimizer = field(default_factory=Optimizer)
-    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
-    training: Training = field(default_factory=Training)
-    parallelism: Parallelism = field(default_factory=Parallelism)
-    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
-    checkpoint: Checkpoint = field(default_factory=Checkpoint)
-    metrics: Metrics = field(default_factory=Metrics)
-    profiling: Profiling = field(default_factory=Profiling)
-    comm: Comm = field(default_factory=Comm)
+    job: JobSectionConfig = field(default_factory=JobSectionConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {

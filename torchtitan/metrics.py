@@ -4,11 +4,12 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from torchtitan.config_manager import JobConfig
 from torchtitan.logging import logger
 
 # Dense (no sparsity) peak FLOP/s from the vendors' datasheets, per device and matmul dtype.
@@ -68,49 +69,61 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
-@dataclass
-class StepMetrics:
-    step: int
-    loss: float
-    grad_norm: float
-    lr: float
-    tokens: int
-    elapsed: float
-    skipped_steps: int = 0  # steps so far whose non-finite gradients were dropped
-
-
 class MetricLogger:
-    """Turns per-step figures into rates and writes them to the log, metrics.jsonl and W&B.
+    """Turns a step's figures into rates over the steps since the last logged one (a window) and
+    writes them to the log, metrics.jsonl and W&B. Only the rank that logs (rank 0) writes files.
 
-    Only the rank that logs (rank 0) writes files."""
+    The loop calls `step_done()` after every step and `log(...)` at the steps `should_log` picks;
+    the data loader's time is counted by iterating through `timed(batches)`."""
 
     def __init__(
         self,
-        dump_folder: str,
-        total_steps: int,
+        job_config: JobConfig,
         flops_per_token: int,
         peak_flops: float | None,
+        tokens_per_step: float,
         device: torch.device,
-        enable_wandb: bool,
-        color: bool | None,
         is_logging_rank: bool,
-        config: dict[str, Any],
     ) -> None:
-        self.total_steps = total_steps
+        self.total_steps = job_config.training.steps
+        self.log_freq = job_config.metrics.log_freq
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
+        self.tokens_per_step = tokens_per_step
         self.device = device
         self.is_logging_rank = is_logging_rank
+        color = job_config.metrics.enable_color_printing
         self.c = _Colors(sys.stdout.isatty() if color is None else color)
         self.jsonl = None
         self.wandb = None
         if is_logging_rank:
+            dump_folder = job_config.job.dump_folder
             os.makedirs(dump_folder, exist_ok=True)
             self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "a")
-            if enable_wandb:
+            if job_config.metrics.enable_wandb:
                 import wandb
 
-                self.wandb = wandb.init(dir=dump_folder, config=config)
+                self.wandb = wandb.init(dir=dump_folder, config=job_config.to_dict())
+        self.start = time.perf_counter()
+        self._window_start, self._window_steps, self._data_time = self.start, 0, 0.0
+
+    def timed(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """`batches`, counting the time spent waiting for them as data time."""
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self._data_time += time.perf_counter() - start
+            yield batch
+
+    def step_done(self) -> None:
+        self._window_steps += 1
+
+    def should_log(self, step: int) -> bool:
+        """Every metrics.log_freq steps, the first and the last."""
+        return step == 1 or step % self.log_freq == 0 or step == self.total_steps
 
     def memory(self) -> tuple[float, float]:
         """(peak GiB, % of device): on CUDA the peak reserved since the last call, on CPU the
@@ -126,44 +139,53 @@ class MetricLogger:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return peak / 2**30, 100 * peak / total
 
-    def log(self, m: StepMetrics, steps_in_window: int, step_time: float, data_time: float) -> None:
-        tps = m.tokens / step_time if step_time > 0 else 0.0
+    def log(self, step: int, loss: float, grad_norm: float, lr: float, skipped_steps: int) -> None:
+        """Log the window that ends at `step`; `skipped_steps` counts the steps so far whose
+        non-finite gradients were dropped."""
+        now = time.perf_counter()
+        step_time, steps = now - self._window_start, max(self._window_steps, 1)
+        tps = self.tokens_per_step * self._window_steps / step_time if step_time > 0 else 0.0
         mfu = 100 * tps * self.flops_per_token / self.peak_flops if self.peak_flops else None
         mem_gib, mem_pct = self.memory()
-        eta = (self.total_steps - m.step) * step_time / max(steps_in_window, 1)
+        eta = (self.total_steps - step) * step_time / steps
         record = {
-            "step": m.step,
-            "loss": m.loss,
-            "grad_norm": m.grad_norm,
-            "lr": m.lr,
+            "step": step,
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
             "tps": tps,
             "mfu": mfu,
             "memory_gib": mem_gib,
             "memory_pct": mem_pct,
-            "step_time": step_time / max(steps_in_window, 1),
-            "data_time_pct": 100 * data_time / step_time if step_time > 0 else 0.0,
-            "elapsed": m.elapsed,
+            "step_time": step_time / steps,
+            "data_time_pct": 100 * self._data_time / step_time if step_time > 0 else 0.0,
+            "elapsed": now - self.start,
             "time": time.time(),
-            "skipped_steps": m.skipped_steps,
+            "skipped_steps": skipped_steps,
         }
-        if not self.is_logging_rank:
-            return
+        if self.is_logging_rank:
+            self._write(record, mfu, eta)
+        self._window_start, self._window_steps, self._data_time = time.perf_counter(), 0, 0.0
+
+    def _write(self, record: dict[str, Any], mfu: float | None, eta: float) -> None:
         c = self.c
         mfu_text = f"{mfu:.2f}%" if mfu is not None else "n/a"
         logger.info(
-            f"{c.cyan}step: {m.step:>{len(str(self.total_steps))}}/{self.total_steps}  "
-            f"{c.green}loss: {m.loss:7.4f}  "
-            f"{c.yellow}grad_norm: {m.grad_norm:7.4f}  "
-            f"{c.gray}lr: {m.lr:.2e}  "
-            f"{c.blue}tps: {tps:,.0f}  "
+            f"{c.cyan}step: {record['step']:>{len(str(self.total_steps))}}/{self.total_steps}  "
+            f"{c.green}loss: {record['loss']:7.4f}  "
+            f"{c.yellow}grad_norm: {record['grad_norm']:7.4f}  "
+            f"{c.gray}lr: {record['lr']:.2e}  "
+            f"{c.blue}tps: {record['tps']:,.0f}  "
             f"{c.magenta}mfu: {mfu_text}  "
-            f"{c.yellow}memory: {mem_gib:.2f}GiB({mem_pct:.1f}%)  "
+            f"{c.yellow}memory: {record['memory_gib']:.2f}GiB({record['memory_pct']:.1f}%)  "
             f"{c.gray}eta: {format_duration(eta)}{c.reset}"
         )
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if v is not None and k != "step"}, step=m.step)
+            self.wandb.log(
+                {k: v for k, v in record.items() if v is not None and k != "step"}, step=record["step"]
+            )
 
     def close(self) -> None:
         if self.jsonl is not None:

@@ -6,30 +6,35 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from torchtitan.config_manager import ConfigError, LRScheduler, Optimizer
+from torchtitan.config_manager import LRSchedulerConfig, OptimizerConfig
 
 
-def build_optimizer(model_parts: nn.Module | list[nn.Module], cfg: Optimizer) -> torch.optim.Optimizer:
+def build_optimizer(
+    model_parts: nn.Module | list[nn.Module], optimizer_config: OptimizerConfig
+) -> torch.optim.Optimizer:
     """One optimizer over the parameters of the model, or of all the pipeline stages a rank holds."""
     parts = model_parts if isinstance(model_parts, list) else [model_parts]
     kwargs = {
-        "lr": cfg.lr,
-        "betas": (cfg.beta1, cfg.beta2),
-        "eps": cfg.eps,
-        "weight_decay": cfg.weight_decay,
-        "foreach": cfg.implementation == "foreach",
-        "fused": cfg.implementation == "fused",
+        "lr": optimizer_config.lr,
+        "betas": (optimizer_config.beta1, optimizer_config.beta2),
+        "eps": optimizer_config.eps,
+        "weight_decay": optimizer_config.weight_decay,
+        "foreach": optimizer_config.implementation == "foreach",
+        "fused": optimizer_config.implementation == "fused",
     }
-    optimizer_cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[cfg.name]
+    optimizer_cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[optimizer_config.name]
     return optimizer_cls([p for part in parts for p in part.parameters()], **kwargs)
 
 
-def lr_multiplier(step: int, total_steps: int, cfg: LRScheduler) -> float:
+def lr_multiplier(step: int, total_steps: int, lr_scheduler_config: LRSchedulerConfig) -> float:
     """Warmup, stable, decay (WSD): the factor applied to the peak learning rate before `step`+1.
 
     `step` counts optimizer steps already taken, so the first step uses a small non-zero rate."""
-    warmup = min(cfg.warmup_steps, total_steps)
-    decay = total_steps - warmup if cfg.decay_ratio is None else round(total_steps * cfg.decay_ratio)
+    schedule = lr_scheduler_config
+    warmup = min(schedule.warmup_steps, total_steps)
+    decay = (
+        total_steps - warmup if schedule.decay_ratio is None else round(total_steps * schedule.decay_ratio)
+    )
     stable_end = total_steps - decay
     step += 1
     if step <= warmup:
@@ -37,21 +42,17 @@ def lr_multiplier(step: int, total_steps: int, cfg: LRScheduler) -> float:
     if step <= stable_end:
         return 1.0
     progress = (step - stable_end) / max(decay, 1)
-    if cfg.decay_type == "linear":
+    if schedule.decay_type == "linear":
         shape = 1.0 - progress
-    elif cfg.decay_type == "sqrt":
+    elif schedule.decay_type == "sqrt":
         shape = 1.0 - math.sqrt(progress)
     else:
         shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return cfg.lr_min + (1.0 - cfg.lr_min) * shape
+    return schedule.lr_min + (1.0 - schedule.lr_min) * shape
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduler, total_steps: int) -> LambdaLR:
-    if cfg.decay_ratio is not None and cfg.decay_ratio > 1:
-        raise ConfigError(f"lr_scheduler.decay_ratio: must be between 0 and 1, got {cfg.decay_ratio}")
-    if cfg.decay_ratio is not None and cfg.warmup_steps + round(total_steps * cfg.decay_ratio) > total_steps:
-        raise ConfigError(
-            "lr_scheduler: warmup_steps + decay_ratio * training.steps exceeds training.steps; "
-            "lower warmup_steps or decay_ratio"
-        )
-    return LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, cfg))
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer, lr_scheduler_config: LRSchedulerConfig, total_steps: int
+) -> LambdaLR:
+    """The schedule's arguments are checked by torchtitan.config_rules.check_lr_schedule."""
+    return LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, lr_scheduler_config))

@@ -7,27 +7,18 @@ is named after the training step it shows (`iteration_N`), also after a resume.
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.profiler import ProfilerActivity
 
-from torchtitan.config_manager import ConfigError, JobConfig, Profiling
+from torchtitan.config_manager import JobConfig
 from torchtitan.logging import logger
 
 # Steps run under the profiler, unrecorded, before the recorded one: its first steps are slow.
 WARMUP_STEPS = 3
 # Allocation events the CUDA memory history keeps (the newest; a few kB of host memory each).
 MEMORY_SNAPSHOT_MAX_ENTRIES = 100_000
-
-
-def validate_profiling(cfg: Profiling, device: torch.device) -> None:
-    """Reject what cannot run on this device before any heavy work starts."""
-    if cfg.enable_memory_snapshot and device.type != "cuda":
-        raise ConfigError(
-            f"profiling.enable_memory_snapshot: memory snapshots record the CUDA allocator, and this run is "
-            f"on {device.type}; set it to false (profiler traces, enable_profiling, work on any device)"
-        )
 
 
 @contextlib.contextmanager
@@ -37,12 +28,12 @@ def maybe_enable_profiling(
     """Record one step in every `profile_freq` (steps profile_freq, 2 x profile_freq, ...) and
     write it as a Chrome/Perfetto trace, with memory events, to
     `{dump_folder}/{save_traces_folder}/iteration_{step}/rank{rank}_trace.json`."""
-    cfg = job_config.profiling
-    if not cfg.enable_profiling:
+    profiling_config = job_config.profiling
+    if not profiling_config.enable_profiling:
         yield None
         return
-    trace_dir = os.path.join(job_config.job.dump_folder, cfg.save_traces_folder)
-    warmup = min(WARMUP_STEPS, cfg.profile_freq - 1)
+    trace_dir = os.path.join(job_config.job.dump_folder, profiling_config.save_traces_folder)
+    warmup = min(WARMUP_STEPS, profiling_config.profile_freq - 1)
 
     def save_trace(prof: torch.profiler.profile) -> None:
         folder = os.path.join(trace_dir, f"iteration_{prof.step_num - 1}")  # called once it moved on
@@ -59,14 +50,14 @@ def maybe_enable_profiling(
         # Its step count is the training step (1-based, so the schedule skips step 0): the trace of
         # step N is labelled ProfilerStep#N, also after a resume.
         schedule=torch.profiler.schedule(
-            wait=cfg.profile_freq - warmup - 1, warmup=warmup, active=1, skip_first=1
+            wait=profiling_config.profile_freq - warmup - 1, warmup=warmup, active=1, skip_first=1
         ),
         on_trace_ready=save_trace,
         record_shapes=True,
         profile_memory=True,
     )
     profiler.step_num = global_step + 1
-    logger.info(f"Profiling every {cfg.profile_freq} steps into {trace_dir}")
+    logger.info(f"Profiling every {profiling_config.profile_freq} steps into {trace_dir}")
     with profiler:
         yield profiler
 
@@ -101,18 +92,38 @@ def maybe_enable_memory_snapshot(
     `{dump_folder}/{save_memory_snapshot_folder}/iteration_{step}/rank{rank}_memory_snapshot.pickle`,
     and one into `iteration_{step}_oom` when an allocation fails (from the allocator's
     out-of-memory observer, so before the error unwinds anything)."""
-    cfg = job_config.profiling
-    if not cfg.enable_memory_snapshot:
+    profiling_config = job_config.profiling
+    if not profiling_config.enable_memory_snapshot:
         yield None
         return
-    folder = os.path.join(job_config.job.dump_folder, cfg.save_memory_snapshot_folder)
-    snapshotter = MemorySnapshotter(folder, rank, cfg.profile_freq, global_step)
+    folder = os.path.join(job_config.job.dump_folder, profiling_config.save_memory_snapshot_folder)
+    snapshotter = MemorySnapshotter(folder, rank, profiling_config.profile_freq, global_step)
     torch.cuda.memory._record_memory_history(max_entries=MEMORY_SNAPSHOT_MAX_ENTRIES)
     torch._C._cuda_attach_out_of_memory_observer(
         lambda *_: snapshotter.dump(f"iteration_{snapshotter.step_num + 1}_oom")
     )
-    logger.info(f"Recording CUDA memory history; snapshots every {cfg.profile_freq} steps into {folder}")
+    logger.info(
+        f"Recording CUDA memory history; snapshots every {profiling_config.profile_freq} steps into {folder}"
+    )
     try:
         yield snapshotter
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
+
+
+@contextlib.contextmanager
+def maybe_enable_profilers(
+    job_config: JobConfig, rank: int, global_step: int = 0
+) -> Iterator[Callable[[], None]]:
+    """Both of the above; yields what the loop calls at the end of every step."""
+    with (
+        maybe_enable_profiling(job_config, rank, global_step) as torch_profiler,
+        maybe_enable_memory_snapshot(job_config, rank, global_step) as snapshotter,
+    ):
+        enabled = [profiler for profiler in (torch_profiler, snapshotter) if profiler is not None]
+
+        def step() -> None:
+            for profiler in enabled:
+                profiler.step()
+
+        yield step

@@ -25,42 +25,10 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from torchtitan.config_manager import ConfigError, JobConfig
-from torchtitan.models.llama import ModelArgs
+from torchtitan.config_manager import JobConfig
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def validate_parallelism(
-    job_config: JobConfig, parallel_dims: ParallelDims, model_args: ModelArgs, device_type: str
-) -> None:
-    """Reject layouts that cannot work before anything is built (ParallelDims checks the degrees)."""
-    tp = parallel_dims.tp
-    n_kv_heads = model_args.n_kv_heads or model_args.n_heads
-    if model_args.n_heads % tp or n_kv_heads % tp:
-        raise ConfigError(
-            f"parallelism.tensor_parallel_degree: {tp} does not divide the model's {model_args.n_heads} "
-            f"attention heads and {n_kv_heads} kv heads; choose a common divisor"
-        )
-    if job_config.training.seq_len % tp:
-        raise ConfigError(
-            f"training.seq_len: {job_config.training.seq_len} is not divisible by tensor_parallel_degree "
-            f"{tp} (sequence parallelism splits the sequence); change one of them"
-        )
-    if job_config.parallelism.enable_async_tensor_parallel and not (
-        device_type == "cuda" and job_config.training.compile and parallel_dims.tp_enabled
-    ):
-        raise ConfigError(
-            "parallelism.enable_async_tensor_parallel: needs CUDA, training.compile = true and "
-            f"tensor_parallel_degree > 1 (here: {device_type}, compile {job_config.training.compile}, "
-            f"tp {tp}); set it to false"
-        )
-    option = job_config.activation_checkpoint.selective_ac_option
-    if option != "op" and not (option.isdigit() and int(option) >= 1):
-        raise ConfigError(
-            f"activation_checkpoint.selective_ac_option: expected 'op' or a positive integer, got {option!r}"
-        )
 
 
 def parallelize_llama(

@@ -7,116 +7,34 @@ checkpoints do not depend on the pipeline layout.
 """
 
 import copy
-import re
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleSingle,
-    _PipelineSchedule,
-    get_schedule_class,
-)
+from torch.distributed.pipelining.schedules import _PipelineSchedule, get_schedule_class
 
 from torchtitan.config_manager import ConfigError, JobConfig
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.parallelize_llama import parallelize_llama
-
-# Schedules whose two stages per rank form a V: rank r holds stages r and 2 * pp - 1 - r, so the
-# last stage sits next to the first and the loss gradient turns around without a hop.
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
-# Schedules that split backward into input and weight passes, which torch.compile'd blocks cannot do.
-SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-
-
-def _is_single(schedule: str) -> bool:
-    return issubclass(get_schedule_class(schedule), PipelineScheduleSingle)
+from torchtitan.parallelisms.pipeline_layout import (
+    SINGLE_STAGE_SCHEDULES,
+    num_microbatches,
+    stage_ids,
+    stage_layers,
+)
 
 
-def stages_per_rank(job_config: JobConfig) -> int:
-    """Stages each pipeline rank holds: 1 for single-stage schedules (GPipe, 1F1B), 2 for V
-    schedules; for the looped multi-stage ones, as many as the split points make, else 2."""
-    pp = job_config.parallelism
-    if _is_single(pp.pipeline_parallel_schedule):
-        return 1
-    if pp.pipeline_parallel_schedule in V_SCHEDULES or not pp.pipeline_parallel_split_points:
-        return 2
-    return max(1, (len(pp.pipeline_parallel_split_points) + 1) // pp.pipeline_parallel_degree)
+@dataclass
+class Pipeline:
+    """This rank's part of a pipeline: the schedule that runs its stages, and whether it holds the
+    model's ends (the first stage takes the tokens; only the last stage computes the loss)."""
 
-
-def stage_layers(job_config: JobConfig, n_layers: int) -> list[range]:
-    """The layer ids of each pipeline stage, in pipeline order; a ConfigError for a bad split."""
-    pp = job_config.parallelism
-    schedule, degree, points = (
-        pp.pipeline_parallel_schedule,
-        pp.pipeline_parallel_degree,
-        pp.pipeline_parallel_split_points,
-    )
-    num_stages = degree * stages_per_rank(job_config)
-    if points:
-        option = "parallelism.pipeline_parallel_split_points"
-        starts = []
-        for point in points:
-            match = re.fullmatch(r"layers\.(\d+)", point)
-            if not match or not 0 < int(match.group(1)) < n_layers:
-                raise ConfigError(
-                    f"{option}: {point!r} is not a layer that can start a stage; "
-                    f"use layers.1 to layers.{n_layers - 1}"
-                )
-            starts.append(int(match.group(1)))
-        if starts != sorted(set(starts)):
-            raise ConfigError(f"{option}: {points} must be in increasing order without repeats")
-        if len(points) + 1 != num_stages:
-            fixed = _is_single(schedule) or schedule in V_SCHEDULES
-            needed = num_stages if fixed else f"a multiple of {degree}"
-            raise ConfigError(
-                f"{option}: {len(points)} points make {len(points) + 1} stages but {schedule} on {degree} "
-                f"ranks needs {needed} stages; give one point fewer than that"
-            )
-    else:
-        if num_stages > n_layers:
-            raise ConfigError(
-                f"parallelism.pipeline_parallel_degree: {schedule} on {degree} ranks makes {num_stages} "
-                f"stages but the model has only {n_layers} layers; lower the degree, or use GPipe or "
-                "1F1B (one stage per rank)"
-            )
-        base, extra = divmod(n_layers, num_stages)
-        starts = [s * base + min(s, extra) for s in range(1, num_stages)]
-    bounds = [0, *starts, n_layers]
-    return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-def num_microbatches(job_config: JobConfig, num_stages: int) -> int:
-    """Micro-batches per step; a ConfigError unless they split the per-rank batch evenly (unequal
-    micro-batches would weigh tokens unequally in the averaged gradient)."""
-    n = job_config.parallelism.pipeline_parallel_microbatches or num_stages
-    batch_size = job_config.training.batch_size
-    if batch_size % n:
-        raise ConfigError(
-            f"parallelism.pipeline_parallel_microbatches: {n} micro-batches do not divide "
-            f"training.batch_size {batch_size}; use a divisor of it or change the batch size"
-        )
-    return n
-
-
-def validate_pipeline(job_config: JobConfig, n_layers: int) -> None:
-    """Raise the ConfigError a bad pipeline layout would give, before any heavy work."""
-    schedule = job_config.parallelism.pipeline_parallel_schedule
-    if job_config.training.compile and schedule in SPLIT_BACKWARD_SCHEDULES:
-        raise ConfigError(
-            f"parallelism.pipeline_parallel_schedule: {schedule} cannot run compiled blocks; "
-            "set training.compile = false or pick GPipe, 1F1B, Interleaved1F1B or LoopedBFS"
-        )
-    num_microbatches(job_config, len(stage_layers(job_config, n_layers)))
-
-
-def stage_ids(pp_rank: int, pp_degree: int, per_rank: int, schedule: str) -> list[int]:
-    """The stages a pipeline rank holds: a loop (r, r + pp, ...) or, for V schedules, a V."""
-    if schedule in V_SCHEDULES:
-        return [pp_rank, 2 * pp_degree - 1 - pp_rank]
-    return [pp_rank + i * pp_degree for i in range(per_rank)]
+    schedule: _PipelineSchedule
+    has_first_stage: bool
+    has_last_stage: bool
 
 
 def split_model(model: nn.Module, layers: range, is_first: bool, is_last: bool) -> nn.Module:
@@ -141,9 +59,8 @@ def pipeline_llama(
     device: torch.device,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     stage_io: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
-) -> tuple[_PipelineSchedule, list[nn.Module], bool, bool]:
-    """(schedule, this rank's stage models, whether it holds the first stage, the last stage); each
-    stage model is parallelized by `parallelize_llama`.
+) -> tuple[Pipeline, list[nn.Module]]:
+    """This rank's pipeline and its stage models, each parallelized by `parallelize_llama`.
 
     `loss_fn` must average over its micro-batch: the schedule divides the summed gradients by the
     number of micro-batches, which then equal those of the whole batch's mean loss. Stages learn
@@ -170,7 +87,9 @@ def pipeline_llama(
     schedule_cls = get_schedule_class(schedule_name)
     try:
         schedule = schedule_cls(
-            stages[0] if _is_single(schedule_name) else stages, n_microbatches=n_microbatches, loss_fn=loss_fn
+            stages[0] if schedule_name in SINGLE_STAGE_SCHEDULES else stages,
+            n_microbatches=n_microbatches,
+            loss_fn=loss_fn,
         )
     except ValueError as e:
         raise ConfigError(
@@ -178,4 +97,4 @@ def pipeline_llama(
             f"micro-batches on {len(layers)} stages ({' '.join(str(e).split())}); "
             "change parallelism.pipeline_parallel_microbatches"
         ) from None
-    return schedule, model_parts, 0 in ids, len(layers) - 1 in ids
+    return Pipeline(schedule, 0 in ids, len(layers) - 1 in ids), model_parts

@@ -1,11 +1,29 @@
-"""Llama 2 and Llama 3 (3.1) models and their standard sizes.
+"""Llama 2 and Llama 3 (3.1): the model's arguments and the families' standard sizes (flavours).
 
-`vocab_size` is left at -1 in every flavour: the trainer sets it from the tokenizer.
+Importing this package does not import torch, so the preflight can check a flavour; the model
+itself is `torchtitan.models.llama.model.Transformer`. `vocab_size` is left at -1 in every
+flavour: the trainer sets it from the tokenizer.
 """
 
-from torchtitan.models.llama.model import ModelArgs, Transformer
+from dataclasses import dataclass
 
-__all__ = ["ModelArgs", "Transformer", "llama2_configs", "llama3_configs"]
+
+@dataclass
+class ModelArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None: same as n_heads (no GQA)
+    vocab_size: int = -1  # -1: set from the tokenizer
+    multiple_of: int = 256  # SwiGLU hidden dim is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000
+    use_scaled_rope: bool = False  # Llama 3.1 long-context RoPE frequency scaling
+    max_seq_len: int = 2048
+    # Scale the init std of output projections by layer depth rather than by model depth.
+    depth_init: bool = True
+
 
 llama2_configs = {
     "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16),

@@ -6,30 +6,13 @@ weights for a seed whatever the parallelism (see `torchtitan.models.init`).
 """
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.init import normal_, ones_, seeded_init, trunc_normal_
-
-
-@dataclass
-class ModelArgs:
-    dim: int = 4096
-    n_layers: int = 32
-    n_heads: int = 32
-    n_kv_heads: int | None = None  # None: same as n_heads (no GQA)
-    vocab_size: int = -1  # -1: set from the tokenizer
-    multiple_of: int = 256  # SwiGLU hidden dim is rounded up to a multiple of this
-    ffn_dim_multiplier: float | None = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000
-    use_scaled_rope: bool = False  # Llama 3.1 long-context RoPE frequency scaling
-    max_seq_len: int = 2048
-    # Scale the init std of output projections by layer depth rather than by model depth.
-    depth_init: bool = True
+from torchtitan.models.llama import ModelArgs
 
 
 def _scale_rope_freqs(freqs: torch.Tensor) -> torch.Tensor:

@@ -83,20 +83,20 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, value)
 
 
-def safe_load(state_dict: dict[str, Any], path: str) -> None:
-    """`dcp.load` of `path` into `state_dict` (in place), without unpickling anything but plain data."""
-    dcp.load(state_dict, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
+def saved_entries(path: str) -> dict[str, Any]:
+    """What a DCP checkpoint holds: flattened key ('model.norm.weight', 'train_state.step') -> metadata."""
+    return SafeReader(path).read_metadata().state_dict_metadata
 
 
-def read_checkpoint(path: str) -> dict[str, Any]:
-    """Every item of a checkpoint as plain tensors and values, keyed by its flattened name (e.g.
-    'model.norm.weight'), on one process: for tests and tools that compare checkpoints."""
-    metadata = SafeReader(path).read_metadata()
+def read_checkpoint(path: str, prefix: str = "") -> dict[str, Any]:
+    """The items of a checkpoint whose flattened name (e.g. 'model.norm.weight') starts with `prefix`,
+    as plain tensors and values, read in this one process: for tools and tests."""
+    entries = {key: entry for key, entry in saved_entries(path).items() if key.startswith(prefix)}
     state: dict[str, Any] = {
         key: torch.empty(entry.size, dtype=entry.properties.dtype)
-        for key, entry in metadata.state_dict_metadata.items()
         if isinstance(entry, TensorStorageMetadata)
+        else None
+        for key, entry in entries.items()
     }
-    state.update({key: None for key in metadata.state_dict_metadata if key not in state})
     dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), no_dist=True)
     return state

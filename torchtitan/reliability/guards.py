@@ -1,45 +1,17 @@
-"""What keeps a weeks-long run from losing work: preemption signals, failed or hung peers and
-non-finite steps. The exit codes these lead to are listed in torchtitan/preflight.py and the README."""
+"""What keeps a weeks-long run from losing work in the loop: preemption signals and non-finite steps.
+The exit codes these lead to are listed in torchtitan/reliability/errors.py and the README."""
 
-import contextlib
 import math
-import re
 import signal
-from collections.abc import Iterator
 from types import FrameType
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
-from torchtitan.config_manager import Comm, ConfigError
 from torchtitan.logging import logger
-from torchtitan.preflight import EXIT_BAD_INPUT, EXIT_COMM_FAILURE, EXIT_NONFINITE, EXIT_PREEMPTED
+from torchtitan.reliability.errors import EXIT_PREEMPTED, NonFiniteError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
-@contextlib.contextmanager
-def bad_input(option: str) -> Iterator[None]:
-    """Turn an error reading a user's file (missing, malformed, empty) into a ConfigError naming the
-    option, so that it is reported in one line. Such errors are ValueErrors or OSErrors, or are
-    caused by one (a `datasets` DatasetGenerationError wraps pyarrow's ArrowInvalid, a ValueError)."""
-    try:
-        yield
-    except ConfigError:
-        raise
-    except Exception as e:
-        cause: BaseException | None = e
-        while cause is not None and not isinstance(cause, (ValueError, OSError)):
-            cause = cause.__cause__ or cause.__context__
-        if cause is None:
-            raise
-        detail = str(e) if cause is e else f"{e}: {cause}"
-        raise ConfigError(f"{option}: {' '.join(detail.split())}") from e
-
-
-class NonFiniteError(RuntimeError):
-    """A step produced a NaN or Inf loss or gradient norm (exit code 3)."""
 
 
 class StopRequest:
@@ -157,47 +129,3 @@ class NonFiniteGuard:
                 f"step {step}: the loss is {loss}; stopped without saving. Lower optimizer.lr, or set "
                 "training.skip_nonfinite_steps to skip steps whose gradient norm is not finite"
             )
-
-
-_TIMED_OUT_MS = re.compile(r"Timed out waiting (\d+)ms")
-_PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe|Connection refused", re.IGNORECASE)
-
-
-def comm_failure_message(error: BaseException, rank: int, comm: Comm) -> str | None:
-    """One line for a collective that timed out or lost its peer, or None for any other error.
-
-    Gloo raises these in the waiting rank (its collectives honour the process group's timeout); NCCL's
-    watchdog instead aborts the process once the timeout has passed, with its own message naming the
-    collective. A failure inside a checkpoint save or load comes wrapped in DCP's CheckpointException."""
-    if not isinstance(error, (RuntimeError, dcp.CheckpointException)):
-        return None
-    text = str(error)
-    if isinstance(error, dist.DistStoreError) or ("Timed out" in text and "clients" in text):
-        return (
-            f"rank {rank}: timed out after comm.init_timeout_seconds = {comm.init_timeout_seconds} s waiting "
-            "for the other ranks to join; a rank may have failed to start: check its output"
-        )
-    if match := _TIMED_OUT_MS.search(text):
-        seconds = int(match.group(1)) / 1000
-        init = seconds == comm.init_timeout_seconds
-        option = "comm.init_timeout_seconds" if init else "comm.train_timeout_seconds"
-        return (
-            f"rank {rank}: a collective timed out after {seconds:g} s waiting for other ranks ({option}); "
-            "a rank may have died or hung"
-        )
-    if match := _PEER_LOST.search(text):
-        return (
-            f"rank {rank}: a collective lost its connection to another rank ({match.group(0)}); "
-            "a rank may have died: check its output"
-        )
-    return None
-
-
-def one_line_error(error: BaseException, rank: int, comm: Comm | None) -> tuple[int, str] | None:
-    """(exit code, message) for the failures reported in one line; None for unexpected ones."""
-    if isinstance(error, (ConfigError, FileNotFoundError)):
-        return EXIT_BAD_INPUT, str(error)
-    if isinstance(error, NonFiniteError):
-        return EXIT_NONFINITE, str(error)
-    message = comm_failure_message(error, rank, comm) if comm is not None else None
-    return (EXIT_COMM_FAILURE, message) if message else None

@@ -1,6 +1,6 @@
-"""torchrun for this trainer, as run_llama_train.sh uses it (after torchtitan.preflight):
+"""torchrun for this trainer, as run_llama_train.sh uses it (after the preflight):
 
-    python -m torchtitan.launcher [torchrun options] train.py [train.py options]
+    python -m torchtitan.reliability.launcher [torchrun options] train.py [train.py options]
 
 It differs from plain torchrun in two ways:
 - SIGTERM and SIGUSR1 are passed on to the workers, and the launcher keeps waiting for them while
@@ -18,7 +18,7 @@ import signal
 import sys
 from types import FrameType
 
-from torchtitan.preflight import (
+from torchtitan.reliability.errors import (
     EXIT_BAD_INPUT,
     EXIT_COMM_FAILURE,
     EXIT_NONFINITE,

@@ -1,57 +1,32 @@
 """Checks of a job that need no torch, so that a bad option, file or folder stops it in a fraction of a
 second with one line, before any worker starts: run_llama_train.sh runs them before importing torch
-(`python -m torchtitan.preflight`), and train.py runs them first thing however it is started.
-
-Also the exit codes every entry point shares, and the debug switch:
-
-    0   training completed
-    1   an unexpected error (its traceback is printed)
-    2   bad input: one line naming the option or file and the fix
-    3   a non-finite loss or gradient norm, with training.skip_nonfinite_steps off
-    4   a collective failed or timed out: another rank died or hung
-    75  preempted by SIGTERM or SIGUSR1: stopped after a step and saved a checkpoint (if enabled);
-        launch the same job again to resume (75 is EX_TEMPFAIL, "try again later")
-
-TITAN_DEBUG=1 turns the one-line errors of codes 2 to 4 back into tracebacks.
-"""
+(`python -m torchtitan.reliability.preflight`), and train.py runs them first thing however it is
+started. The rules between options are torchtitan/config_rules.py's; the exit codes errors.py's."""
 
 import os
 import sys
 import tempfile
 
+from torchtitan.checkpoint_folder import check_initial_load_path, check_load_step, checkpoint_folder
 from torchtitan.config_manager import ConfigError, JobConfig, parse_args, resolve_path
-from torchtitan.parallelisms.parallel_dims import ParallelDims
-
-EXIT_OK = 0
-EXIT_ERROR = 1
-EXIT_BAD_INPUT = 2
-EXIT_NONFINITE = 3
-EXIT_COMM_FAILURE = 4
-EXIT_PREEMPTED = 75
+from torchtitan.config_rules import check_layout, check_lr_schedule
+from torchtitan.models import flavor_args
+from torchtitan.reliability.errors import EXIT_BAD_INPUT, EXIT_OK, debug_enabled
 
 
-def debug_enabled() -> bool:
-    """TITAN_DEBUG=1 (or any value but 0): tracebacks instead of one-line errors."""
-    return os.environ.get("TITAN_DEBUG", "") not in ("", "0")
-
-
-def check_job(cfg: JobConfig, world_size: int | None) -> None:
-    """Raise ConfigError for what can be seen wrong without torch: missing or empty files, parallel
-    degrees that do not fit `world_size` (skipped when None), an unwritable dump folder, a checkpoint
-    step that does not exist."""
-    _check_file("model.tokenizer_path", cfg.model.tokenizer_path)
-    if cfg.training.dataset_path is not None:
-        _check_dataset_path(cfg.training.dataset_path)
+def check_job(job_config: JobConfig, world_size: int | None) -> None:
+    """Raise ConfigError for what can be seen wrong without torch: missing or empty files, the rules
+    between options (the parallel layout only when `world_size` is known), an unwritable dump folder,
+    a checkpoint step that does not exist."""
+    _check_file("model.tokenizer_path", job_config.model.tokenizer_path)
+    if job_config.training.dataset_path is not None:
+        _check_dataset_path(job_config.training.dataset_path)
+    flavor_args(job_config.model)
+    check_lr_schedule(job_config.lr_scheduler, job_config.training.steps)
     if world_size is not None:
-        ParallelDims(
-            dp_shard=cfg.parallelism.data_parallel_shard_degree,
-            world_size=world_size,
-            dp_replicate=cfg.parallelism.data_parallel_replicate_degree,
-            tp=cfg.parallelism.tensor_parallel_degree,
-            pp=cfg.parallelism.pipeline_parallel_degree,
-        )
-    _check_writable_folder("job.dump_folder", cfg.job.dump_folder)
-    _check_checkpoint(cfg)
+        check_layout(job_config, world_size)
+    _check_writable_folder("job.dump_folder", job_config.job.dump_folder)
+    _check_checkpoint(job_config)
 
 
 def _check_file(option: str, path: str) -> None:
@@ -93,37 +68,20 @@ def _check_writable_folder(option: str, folder: str) -> None:
         ) from None
 
 
-def _check_checkpoint(cfg: JobConfig) -> None:
-    ckpt = cfg.checkpoint
-    folder = os.path.join(cfg.job.dump_folder, ckpt.folder)
+def _check_checkpoint(job_config: JobConfig) -> None:
+    folder = checkpoint_folder(job_config)
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ConfigError(
             f"checkpoint.folder: {folder} is a file, not a folder; move it or set checkpoint.folder"
         )
-    complete = [
-        int(name[5:])
-        for name in (os.listdir(folder) if os.path.isdir(folder) else [])
-        if name.startswith("step-")
-        and name[5:].isdigit()
-        and os.path.isfile(os.path.join(folder, name, ".metadata"))
-    ]
-    if ckpt.enable_checkpoint and ckpt.load_step != -1 and ckpt.load_step not in complete:
-        raise ConfigError(
-            f"checkpoint.load_step: there is no complete checkpoint step-{ckpt.load_step} in {folder}; "
-            f"available steps: {', '.join(map(str, sorted(complete))) or 'none'}"
-        )
-    if ckpt.initial_load_path is not None and not os.path.isfile(
-        os.path.join(ckpt.initial_load_path, ".metadata")
-    ):
-        raise ConfigError(
-            f"checkpoint.initial_load_path: {ckpt.initial_load_path} is not a DCP checkpoint folder "
-            "(no .metadata); point it at a step-N folder"
-        )
+    if job_config.checkpoint.enable_checkpoint:
+        check_load_step(job_config.checkpoint, folder)
+    check_initial_load_path(job_config.checkpoint)
 
 
 def main(argv: list[str]) -> int:
-    """`python -m torchtitan.preflight [--nproc WORLD_SIZE] [train.py options]`: exit code 0, or 2 and
-    one line on stderr. Without --nproc the parallel degrees are left to train.py to check."""
+    """`python -m torchtitan.reliability.preflight [--nproc WORLD_SIZE] [train.py options]`: exit code 0,
+    or 2 and one line on stderr. Without --nproc the parallel degrees are left to train.py to check."""
     if any(arg in ("-h", "--help") for arg in argv):
         return EXIT_OK  # train.py prints the help
     world_size = None

@@ -1,0 +1,123 @@
+"""Every rule that ties options together, stated once: the parallel layout against the world size and
+the model, the pipeline split, the batch arithmetic, the learning-rate schedule, what needs CUDA.
+
+Torch-free: the preflight (torchtitan/reliability/preflight.py) runs these checks before any worker
+starts, and train.py and the scripts run them again with what only a worker knows (the device). Each
+raises a ConfigError naming the first bad option and the fix."""
+
+from torchtitan.config_manager import ConfigError, JobConfig, LRSchedulerConfig, TrainingConfig
+from torchtitan.models import flavor_args
+from torchtitan.models.llama import ModelArgs
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.pipeline_layout import SPLIT_BACKWARD_SCHEDULES, num_microbatches, stage_layers
+
+
+def parallel_dims_of(job_config: JobConfig, world_size: int) -> ParallelDims:
+    """The job's parallel degrees, checked against the number of processes."""
+    parallelism = job_config.parallelism
+    return ParallelDims(
+        dp_shard=parallelism.data_parallel_shard_degree,
+        world_size=world_size,
+        dp_replicate=parallelism.data_parallel_replicate_degree,
+        tp=parallelism.tensor_parallel_degree,
+        pp=parallelism.pipeline_parallel_degree,
+        enable_loss_parallel=parallelism.enable_loss_parallel,
+    )
+
+
+def gradient_accumulation_steps(training_config: TrainingConfig, parallel_dims: ParallelDims) -> int:
+    """Micro-batches per optimizer step: training.global_batch_size / (batch_size x DP degree)."""
+    per_pass = training_config.batch_size * parallel_dims.dp_degree
+    global_batch_size = training_config.global_batch_size
+    if global_batch_size == -1:
+        return 1
+    if global_batch_size < per_pass or global_batch_size % per_pass:
+        raise ConfigError(
+            f"training.global_batch_size: {global_batch_size} is not a multiple of batch_size x DP "
+            f"degree = {training_config.batch_size} x {parallel_dims.dp_degree}; use -1 or a multiple of "
+            f"{per_pass}"
+        )
+    if global_batch_size > per_pass and parallel_dims.pp_enabled:
+        raise ConfigError(
+            "training.global_batch_size: gradient accumulation is not supported with pipeline parallelism; "
+            "raise parallelism.pipeline_parallel_microbatches and training.batch_size instead"
+        )
+    return global_batch_size // per_pass
+
+
+def check_parallelism(job_config: JobConfig, parallel_dims: ParallelDims, model_args: ModelArgs) -> None:
+    """Tensor parallelism must split the heads and the sequence; the AC option must parse."""
+    tp = parallel_dims.tp
+    n_kv_heads = model_args.n_kv_heads or model_args.n_heads
+    if model_args.n_heads % tp or n_kv_heads % tp:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree: {tp} does not divide the model's {model_args.n_heads} "
+            f"attention heads and {n_kv_heads} kv heads; choose a common divisor"
+        )
+    seq_len = job_config.training.seq_len
+    if seq_len % tp:
+        raise ConfigError(
+            f"training.seq_len: {seq_len} is not divisible by tensor_parallel_degree "
+            f"{tp} (sequence parallelism splits the sequence); change one of them"
+        )
+    option = job_config.activation_checkpoint.selective_ac_option
+    if option != "op" and not (option.isdigit() and int(option) >= 1):
+        raise ConfigError(
+            f"activation_checkpoint.selective_ac_option: expected 'op' or a positive integer, got {option!r}"
+        )
+
+
+def check_pipeline(job_config: JobConfig, n_layers: int) -> None:
+    """Compiled blocks cannot split their backward; the layers and the batch must split evenly."""
+    schedule = job_config.parallelism.pipeline_parallel_schedule
+    if job_config.training.compile and schedule in SPLIT_BACKWARD_SCHEDULES:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule: {schedule} cannot run compiled blocks; "
+            "set training.compile = false or pick GPipe, 1F1B, Interleaved1F1B or LoopedBFS"
+        )
+    num_microbatches(job_config, len(stage_layers(job_config, n_layers)))
+
+
+def check_lr_schedule(lr_scheduler_config: LRSchedulerConfig, total_steps: int) -> None:
+    decay_ratio = lr_scheduler_config.decay_ratio
+    if decay_ratio is None:
+        return
+    if decay_ratio > 1:
+        raise ConfigError(f"lr_scheduler.decay_ratio: must be between 0 and 1, got {decay_ratio}")
+    if lr_scheduler_config.warmup_steps + round(total_steps * decay_ratio) > total_steps:
+        raise ConfigError(
+            "lr_scheduler: warmup_steps + decay_ratio * training.steps exceeds training.steps; "
+            "lower warmup_steps or decay_ratio"
+        )
+
+
+def check_device(job_config: JobConfig, parallel_dims: ParallelDims, device_type: str) -> None:
+    """Options that need CUDA (or CUDA and more)."""
+    if job_config.parallelism.enable_async_tensor_parallel and not (
+        device_type == "cuda" and job_config.training.compile and parallel_dims.tp_enabled
+    ):
+        raise ConfigError(
+            "parallelism.enable_async_tensor_parallel: needs CUDA, training.compile = true and "
+            f"tensor_parallel_degree > 1 (here: {device_type}, compile {job_config.training.compile}, "
+            f"tp {parallel_dims.tp}); set it to false"
+        )
+    if job_config.profiling.enable_memory_snapshot and device_type != "cuda":
+        raise ConfigError(
+            f"profiling.enable_memory_snapshot: memory snapshots record the CUDA allocator, and this run is "
+            f"on {device_type}; set it to false (profiler traces, enable_profiling, work on any device)"
+        )
+
+
+def check_layout(job_config: JobConfig, world_size: int, device_type: str | None = None) -> ParallelDims:
+    """The job's parallel degrees, once every rule above holds for them (the device rules only when
+    `device_type` is known: the preflight runs before torch can tell)."""
+    parallel_dims = parallel_dims_of(job_config, world_size)
+    model_args = flavor_args(job_config.model)
+    check_parallelism(job_config, parallel_dims, model_args)
+    if parallel_dims.pp_enabled:
+        check_pipeline(job_config, model_args.n_layers)
+    gradient_accumulation_steps(job_config.training, parallel_dims)
+    check_lr_schedule(job_config.lr_scheduler, job_config.training.steps)
+    if device_type is not None:
+        check_device(job_config, parallel_dims, device_type)
+    return parallel_dims

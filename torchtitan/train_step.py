@@ -1,0 +1,97 @@
+"""The loss and the forward and backward of one training step, for the whole model or for this rank's
+pipeline stages: what train.py, the memory estimator, the profiler and the benchmark share."""
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor.parallel import loss_parallel
+
+from torchtitan.config_manager import TrainingConfig
+from torchtitan.config_rules import gradient_accumulation_steps
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.parallelize_llama import DTYPES, set_grad_all_reduce
+from torchtitan.parallelisms.pipeline_llama import Pipeline
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids, labels), both (batch, seq_len)
+
+
+def loss_fn(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy over the tokens of a batch (or of a pipeline micro-batch)."""
+    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten())
+
+
+class TrainStep:
+    """Forward and backward over the micro-batches of one optimizer step (gradient accumulation).
+
+    The gradients of the micro-batches add up to the gradient of their mean loss; replicas (HSDP/DDP)
+    all-reduce after the last one only. With pipeline parallelism, the schedule runs forward and
+    backward over its own micro-batches of each batch."""
+
+    def __init__(
+        self,
+        model_parts: list[nn.Module],
+        pipeline: Pipeline | None,
+        parallel_dims: ParallelDims,
+        training_config: TrainingConfig,
+        device: torch.device,
+    ) -> None:
+        self.model_parts = model_parts
+        self.pipeline = pipeline
+        self.device = device
+        self.grad_accum_steps = gradient_accumulation_steps(training_config, parallel_dims)
+        param_dtype = DTYPES[training_config.mixed_precision_param]
+        # Without FSDP/DDP there is no MixedPrecisionPolicy to cast parameters, so autocast does it.
+        self.autocast = (
+            torch.autocast(device.type, dtype=param_dtype)
+            if not parallel_dims.dp_enabled and param_dtype != torch.float32
+            else contextlib.nullcontext()
+        )
+        # Loss parallel: the cross entropy (forward and backward) on vocabulary-sharded logits.
+        self.loss_context = loss_parallel if parallel_dims.loss_parallel_enabled else contextlib.nullcontext
+        # Compiled, the loss fuses the upcast, log-softmax and their backward over the (large) logits:
+        # +3% tokens/s and -4 GiB on a 1B model (docs/performance.md).
+        compile_loss = training_config.compile and not parallel_dims.loss_parallel_enabled
+        self.loss_fn = torch.compile(loss_fn) if compile_loss else loss_fn
+
+    def forward_backward(self, batches: Iterator[Batch], microbatches: int | None = None) -> torch.Tensor:
+        """Run the step's micro-batches (`microbatches`, default the accumulation steps) from `batches`;
+        their mean loss, 0 on pipeline ranks without the last stage (sum it over the pipeline)."""
+        microbatches = microbatches or self.grad_accum_steps
+        losses = []
+        for microbatch in range(microbatches):
+            inputs, labels = next(batches)
+            inputs = inputs.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
+            for part in self.model_parts:
+                set_grad_all_reduce(part, microbatch == microbatches - 1)
+            with self.loss_context():
+                if self.pipeline is None:
+                    loss = self._model_forward_backward(inputs, labels, microbatches)
+                else:
+                    loss = self._pipeline_forward_backward(inputs, labels)
+            losses.append(loss.detach())
+        return torch.stack(losses).mean()
+
+    def _model_forward_backward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, microbatches: int
+    ) -> torch.Tensor:
+        with self.autocast:
+            logits = self.model_parts[0](inputs)
+        loss = self.loss_fn(logits, labels)
+        del logits
+        (loss / microbatches).backward()
+        return loss
+
+    def _pipeline_forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # The logits are not returned: the last stage would keep every micro-batch's and concatenate.
+        pipeline, losses = self.pipeline, []
+        targets = labels if pipeline.has_last_stage else None
+        with self.autocast:
+            if pipeline.has_first_stage:
+                pipeline.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
+            else:
+                pipeline.schedule.step(target=targets, losses=losses, return_outputs=False)
+        return torch.stack(losses).mean() if pipeline.has_last_stage else torch.zeros((), device=self.device)
