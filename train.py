@@ -133,6 +133,7 @@ def main(job_config: JobConfig) -> int:
             seq_len=cfg.training.seq_len,
             dp_world_size=dp_degree,
             dp_rank=dp_rank,
+            grad_accum_steps=grad_accum_steps,
         )
 
     model_args = MODEL_CONFIGS[cfg.model.name][cfg.model.flavor]
