@@ -326,12 +326,13 @@ def test_finite_stops_and_restarts(tok, docs_file, streaming):
         assert all(all_equal(a, b) for a, b in zip(*passes)), layout
 
 
+@pytest.mark.parametrize("infinite", [True, False], ids=["infinite", "finite"])
 @pytest.mark.parametrize("streaming", [False, True], ids=["map", "streaming"])
-def test_too_small_for_the_global_batch(tok, tmp_path, streaming):
+def test_too_small_for_the_global_batch(tok, tmp_path, streaming, infinite):
     path = tmp_path / "three.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[:3]))
     with pytest.raises(ValueError, match="has 3 documents, fewer than the 4 sequences of a global batch"):
-        for dl in docs_loaders(tok, (2, 2), path, streaming):
+        for dl in docs_loaders(tok, (2, 2), path, streaming, infinite=infinite):
             next(iter(dl))
 
 

@@ -24,7 +24,13 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from torchtitan.datasets.streams import MapDocuments, PackedStream, StreamingDocuments, TextTokenizer
+from torchtitan.datasets.streams import (
+    MapDocuments,
+    PackedStream,
+    StreamingDocuments,
+    TextTokenizer,
+    too_small,
+)
 from torchtitan.logging import logger
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -194,9 +200,12 @@ class HuggingFaceDataset(IterableDataset, Stateful):
         """Whole global batches in one pass: as many as the shortest stream has windows. Every rank counts
         all streams (one extra tokenization of the pass) so that all stop after the same batch."""
         if self._num_steps is None:
-            tokens = [0] * self.num_streams
-            for i, text in self._documents.all_texts():
+            tokens, num_docs = [0] * self.num_streams, 0
+            for i, text in enumerate(self._documents.all_texts()):
                 tokens[i % self.num_streams] += len(self._tokenizer.encode(text, bos=True, eos=True))
+                num_docs = i + 1
+            if num_docs < self.num_streams:
+                raise too_small(self.dataset_name, num_docs, self.num_streams)
             self._num_steps = min(tokens) // (self.seq_len + 1)
             if self._num_steps == 0:
                 logger.warning(

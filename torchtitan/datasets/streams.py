@@ -41,9 +41,9 @@ class MapDocuments:
         i = stream + self.num_streams * n
         return self.ds[i]["text"] if i < len(self.ds) else None
 
-    def all_texts(self) -> Iterator[tuple[int, str]]:
+    def all_texts(self) -> Iterator[str]:
         for i in range(len(self.ds)):
-            yield i, self.ds[i]["text"]
+            yield self.ds[i]["text"]
 
 
 class StreamingDocuments:
@@ -96,10 +96,10 @@ class StreamingDocuments:
         assert got_epoch == epoch and got_n in (n, -1), (stream, epoch, n, got_epoch, got_n)
         return text
 
-    def all_texts(self) -> Iterator[tuple[int, str]]:
+    def all_texts(self) -> Iterator[str]:
         self.ds.set_epoch(0)
-        for i, example in enumerate(self.ds):
-            yield i, example["text"]
+        for example in self.ds:
+            yield example["text"]
 
 
 class PackedStream:
