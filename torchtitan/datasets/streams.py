@@ -50,15 +50,15 @@ class StreamingDocuments:
     """A streaming dataset, read once from the start of each epoch: documents of this rank's streams are
     queued (raw text, tokenized only when their stream reaches them), the others are skipped over.
 
-    Streams consume documents at slightly different rates, so the queues hold the documents a stream
-    has been dealt ahead of the slowest one: a bounded lookahead.
+    Streams consume documents at slightly different rates, so the queues hold, untokenized, the documents
+    dealt to the faster streams while the slowest one catches up. Resuming skips to the earliest document
+    any stream needs: that costs reading, not tokenizing.
     """
 
     def __init__(self, name: str, ds: datasets.IterableDataset, num_streams: int, streams: list[int]):
         self.name = name
         self.ds = ds
         self.num_streams = num_streams
-        self.streams = streams
         self.reset({s: (0, 0) for s in streams})
 
     def reset(self, starts: dict[int, tuple[int, int]]) -> None:
@@ -70,7 +70,8 @@ class StreamingDocuments:
         self._reader: Iterator[dict] | None = None
 
     def _read_one(self) -> None:
-        """Read the next document and queue it for its stream if it is one of ours (None: end of an epoch)."""
+        """Queue the next document for its stream if it is one of ours; at the end of an epoch, queue an
+        end-of-epoch marker (text None) for every stream."""
         if self._reader is None:
             self.ds.set_epoch(self._epoch)
             self._reader = iter(self.ds.skip(self._index) if self._index else self.ds)
