@@ -7,6 +7,7 @@ how many ranks there are.
 
 from collections import deque
 from collections.abc import Callable, Iterator
+from itertools import chain
 from typing import Protocol
 
 import datasets
@@ -67,16 +68,18 @@ class StreamingDocuments:
         self._queues: dict[int, deque[tuple[int, int, str | None]]] = {s: deque() for s in starts}
         epoch, first = min((e, s + self.num_streams * n) for s, (e, n) in starts.items())
         self._epoch, self._index = epoch, first
-        self._reader: Iterator[dict] | None = None
+        self._reader: Iterator[str] | None = None
 
     def _read_one(self) -> None:
         """Queue the next document for its stream if it is one of ours; at the end of an epoch, queue an
         end-of-epoch marker (text None) for every stream."""
         if self._reader is None:
             self.ds.set_epoch(self._epoch)
-            self._reader = iter(self.ds.skip(self._index) if self._index else self.ds)
-        example = next(self._reader, None)
-        if example is None:
+            ds = self.ds.skip(self._index) if self._index else self.ds
+            # In batches: a rank reads every document, so reading costs more than its own tokenizing.
+            self._reader = chain.from_iterable(batch["text"] for batch in ds.iter(batch_size=256))
+        text = next(self._reader, None)
+        if text is None:
             if self._index < self.num_streams:
                 raise too_small(self.name, self._index, self.num_streams)
             for s, queue in self._queues.items():
@@ -86,7 +89,7 @@ class StreamingDocuments:
             return
         s, n = self._index % self.num_streams, self._index // self.num_streams
         if s in self._queues and (self._epoch, n) >= self._starts[s]:
-            self._queues[s].append((self._epoch, n, example["text"]))
+            self._queues[s].append((self._epoch, n, text))
         self._index += 1
 
     def get(self, stream: int, epoch: int, n: int) -> str | None:
