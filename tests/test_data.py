@@ -54,7 +54,7 @@ def loaders(tok, layout: tuple[int, ...], dataset="kjv", path=None, seq_len=SEQ_
     ]
 
 
-def docs_loaders(tok, layout: tuple[int, ...], docs_file: Path, streaming: bool, tokenizer=None, **kwargs):
+def docs_loaders(tok, layout: tuple[int, ...], docs_file: Path, streaming: bool, **kwargs):
     """Loaders over DOCS as a map-style or a streaming HF dataset (the C4 code path), one per rank."""
     world, batch, accum = (*layout, 1)[:3]
     out = []
@@ -64,8 +64,7 @@ def docs_loaders(tok, layout: tuple[int, ...], docs_file: Path, streaming: bool,
             ds = datasets.load_dataset("json", data_files=str(docs_file), split="train", streaming=True)
         else:
             ds = load_text_dataset("docs", str(docs_file))
-        rank_tok = tokenizer(rank) if tokenizer else tok
-        dataset = HuggingFaceDataset("docs", ds, rank_tok, SEQ_LEN, batch, world, rank, accum, **kwargs)
+        dataset = HuggingFaceDataset("docs", ds, tok, SEQ_LEN, batch, world, rank, accum, **kwargs)
         out.append(StatefulDataLoader(dataset, batch_size=batch))
     return out
 
