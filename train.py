@@ -10,7 +10,7 @@ import torch
 
 from torchtitan.checkpoint import CheckpointManager, TrainState
 from torchtitan.config_manager import JobConfig, parse_args, resolve_path
-from torchtitan.config_rules import check_layout
+from torchtitan.config_rules import check_layout, gradient_accumulation_steps
 from torchtitan.datasets.hf_datasets import build_hf_data_loader
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.distributed import (
@@ -59,6 +59,7 @@ def main(job_config: JobConfig) -> int:
     dp_mesh = world_mesh[parallel_dims.dp_mesh_name()] if parallel_dims.dp_enabled else None
     pp_mesh = world_mesh["pp"] if parallel_dims.pp_enabled else None
     dp_degree, dp_rank = (dp_mesh.size(), dp_mesh.get_local_rank()) if dp_mesh is not None else (1, 0)
+    grad_accum_steps = gradient_accumulation_steps(training, parallel_dims)
     set_determinism(training.seed, training.deterministic)
 
     with bad_input("model.tokenizer_path"):
@@ -72,6 +73,7 @@ def main(job_config: JobConfig) -> int:
             seq_len=training.seq_len,
             dp_world_size=dp_degree,
             dp_rank=dp_rank,
+            grad_accum_steps=grad_accum_steps,
         )
 
     model_args = build_model_args(job_config, tokenizer.n_words)
@@ -101,7 +103,6 @@ def main(job_config: JobConfig) -> int:
         logger.info(f"Resumed from step {resumed_step}")
 
     train_step = TrainStep(model_parts, pipeline, parallel_dims, training, device)
-    grad_accum_steps = train_step.grad_accum_steps
     # Per device, for tokens/s and MFU: pipeline and tensor-parallel ranks share the work of each token.
     tokens_per_rank = grad_accum_steps * training.batch_size * training.seq_len
     metric_logger = MetricLogger(

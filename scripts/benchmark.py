@@ -8,6 +8,8 @@
 | FSDP memory scaling | per-rank parameter + gradient + optimizer bytes at world size 4 / at 1 | <= 0.30 |
 | checkpoint | training time blocked by an async save / by a sync save | <= 0.15 |
 | data pipeline | tokens/s the loader delivers / tokens/s train.py consumes | >= 20 |
+| data tokenized | tokens a rank tokenizes / tokens it trains on, simulated DP 1, 8, 64 (worst) | <= 1.25 |
+| data at scale | one rank's loader tokens/s at simulated DP 64 / at DP 1 | >= 0.8 |
 | compile | train.py's steady step time compiled / eager | < 1 |
 
 Each part runs in a fresh process (train.py's main() disables GC, compiles, may start process
@@ -147,6 +149,15 @@ def part_compile(tmp: str) -> dict:
     return {"value": step_ratio(compiled, eager), "compiled": compiled, "eager": eager}
 
 
+def loader_rate(batches, seconds: float) -> dict:
+    """Tokens/s (wall and CPU clocks) the iterator delivers over `seconds`."""
+    count, wall, cpu = 0, time.perf_counter(), time.process_time()
+    while time.perf_counter() - wall < seconds:
+        inputs, _ = next(batches)
+        count += inputs.numel()
+    return {"wall": count / (time.perf_counter() - wall), "cpu": count / (time.process_time() - cpu)}
+
+
 def part_data(tmp: str, seconds: float = 5.0) -> dict:
     """Tokens/s of the loader alone, past its first batch (dataset loading)."""
     from torchtitan.datasets.hf_datasets import build_hf_data_loader
@@ -158,11 +169,35 @@ def part_data(tmp: str, seconds: float = 5.0) -> dict:
     loader = build_hf_data_loader(t.dataset, t.dataset_path, tokenizer, t.batch_size, t.seq_len, 1, 0)
     batches = iter(loader)
     next(batches)
-    count, wall, cpu = 0, time.perf_counter(), time.process_time()
-    while time.perf_counter() - wall < seconds:
-        inputs, _ = next(batches)
-        count += inputs.numel()
-    return {"wall": count / (time.perf_counter() - wall), "cpu": count / (time.process_time() - cpu)}
+    return loader_rate(batches, seconds)
+
+
+def part_data_sharding(tmp: str, steps: int = 200, seconds: float = 3.0) -> dict:
+    """Rank 0's loader at simulated DP degrees (its loader only; the other ranks' are not built): tokens
+    tokenized per token yielded over its first `steps` batches, then its tokens/s."""
+    from torchtitan.datasets.hf_datasets import build_hf_data_loader
+    from torchtitan.datasets.tokenizer import Tokenizer
+
+    job_config = parse_args(TRAIN_ARGS)
+    t = job_config.training
+    tokenizer = Tokenizer(ROOT / job_config.model.tokenizer_path)
+
+    class Counting:
+        count = 0
+
+        def encode(self, s: str, bos: bool, eos: bool) -> list[int]:
+            ids = tokenizer.encode(s, bos=bos, eos=eos)
+            self.count += len(ids)
+            return ids
+
+    result = {}
+    for dp in (1, 8, 64):
+        counting = Counting()
+        loader = build_hf_data_loader(t.dataset, t.dataset_path, counting, t.batch_size, t.seq_len, dp, 0)
+        batches = iter(loader)
+        trained = sum(next(batches)[0].numel() for _ in range(steps))
+        result[dp] = {"tokenized_per_trained": counting.count / trained, **loader_rate(batches, seconds)}
+    return result
 
 
 def part_checkpoint(tmp: str) -> dict:
@@ -237,6 +272,7 @@ PARTS = {
     "overhead": part_overhead,
     "compile": part_compile,
     "data": part_data,
+    "data_sharding": part_data_sharding,
     "checkpoint": part_checkpoint,
     "fsdp_memory": part_fsdp_memory,
 }
@@ -335,6 +371,27 @@ def run_all(threads: int, tmp: str) -> dict:
         ratio >= 20,
         f"loader {d[clock]:,.0f} tokens/s ({d['wall']:,.0f}), train.py consumes {consumed:,.0f}",
         d,
+    )
+
+    ds = run_part("data_sharding", tmp, threads)
+    tokenized = {dp: r["tokenized_per_trained"] for dp, r in ds.items()}
+    add(
+        "data tokenized",
+        max(tokenized.values()),
+        "<= 1.25",
+        max(tokenized.values()) <= 1.25,
+        "per trained token at DP " + ", ".join(f"{dp}: {v:.3f}" for dp, v in tokenized.items()),
+        ds,
+    )
+    scale = ds["64"][clock] / ds["1"][clock]
+    add(
+        "data at scale",
+        scale,
+        ">= 0.8",
+        scale >= 0.8,
+        f"one rank's loader at DP 64 {ds['64'][clock]:,.0f} tokens/s ({ds['64']['wall']:,.0f}), "
+        f"at DP 1 {ds['1'][clock]:,.0f} ({ds['1']['wall']:,.0f})",
+        ds,
     )
 
     k = run_part("compile", tmp, threads)

@@ -135,10 +135,20 @@ def evil_metadata(step_dir: Path, tmp: Path) -> None:
 
 
 def evil_item(step_dir: Path, tmp: Path) -> None:
-    """A checkpoint whose data loader state holds a pickled payload instead of plain values."""
+    """A checkpoint whose data loader state holds a pickled payload instead of a plain value (the loader's
+    count of batches, a non-tensor item that every resume loads)."""
     state = read_checkpoint(str(step_dir))
     shutil.rmtree(step_dir)
-    state["dataloader.dataset_state.position"] = Evil(tmp / "pwned")
+    state["dataloader._num_yielded"] = Evil(tmp / "pwned")
+    dcp.save(state, checkpoint_id=str(step_dir), no_dist=True)
+
+
+def old_loader_state(step_dir: Path, tmp: Path) -> None:
+    """A checkpoint of the global-stream data loader: a position and a token buffer, no streams."""
+    state = {k: v for k, v in read_checkpoint(str(step_dir)).items() if ".dataset_state." not in k}
+    shutil.rmtree(step_dir)
+    old = {"epoch": 0, "position": "3", "token_buffer": [1, 2, 3], "num_sequences": 8, "batch_size": 8}
+    state.update({f"dataloader.dataset_state.{key}": value for key, value in old.items()})
     dcp.save(state, checkpoint_id=str(step_dir), no_dist=True)
 
 
@@ -248,6 +258,18 @@ CASES = [
         trained_run("--model.vocab_size", "4096"),
         "tok_embeddings.weight with shape",
     ),
+    Case(
+        "checkpoint of another global batch size",
+        trained_run("--training.batch_size", "4"),
+        "data streams depend on the global batch size; keep the saved global batch size, or start the data "
+        "afresh with --checkpoint.exclude_from_loading dataloader",
+    ),
+    Case(
+        "checkpoint of the old data loader",
+        damaged(old_loader_state),
+        "has no dataloader.dataset_state.global_batch_8.stream_0: its data loader state was saved for "
+        "another global batch size or by an older data loader",
+    ),
     Case("truncated metadata", damaged(lambda d, tmp: truncate(d / ".metadata")), "is damaged or not a DCP"),
     Case("truncated data", damaged(lambda d, tmp: truncate(d / "__0_0.distcp")), "checkpoint: cannot load"),
     Case("code in metadata", damaged(evil_metadata), "posix.system has no place in a checkpoint's metadata"),
@@ -292,7 +314,9 @@ def test_project_state_loads_as_plain_data(trained):
     """Every non-tensor item of a real checkpoint passes weights_only=True."""
     state = read_checkpoint(str(trained / "checkpoint" / "step-1"))
     plain = {key: value for key, value in state.items() if not isinstance(value, torch.Tensor)}
-    assert isinstance(plain["dataloader.dataset_state.position"], str)  # JSON
+    assert isinstance(plain["dataloader._num_yielded"], int)
+    streams = {key: value for key, value in state.items() if key.startswith("dataloader.dataset_state.")}
+    assert len(streams) == 8 and all(v.dtype == torch.int64 and v.shape == (4,) for v in streams.values())
     assert any(key.startswith("optimizer.param_groups.") for key in plain)
 
 

@@ -43,27 +43,94 @@ def docs_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def loaders(tok, layout: tuple[int, int], dataset="kjv", path=None, seq_len=SEQ_LEN, **kwargs):
-    """One loader per rank of a (dp_world_size, batch_size) layout."""
-    world, batch = layout
+def loaders(tok, layout: tuple[int, ...], dataset="kjv", path=None, seq_len=SEQ_LEN, **kwargs):
+    """One loader per rank of a (dp_world_size, batch_size[, grad_accum_steps]) layout."""
+    world, batch, accum = (*layout, 1)[:3]
     return [
-        build_hf_data_loader(dataset, path, tok, batch, seq_len, world, rank, **kwargs)
+        build_hf_data_loader(
+            dataset, path, tok, batch, seq_len, world, rank, grad_accum_steps=accum, **kwargs
+        )
         for rank in range(world)
     ]
 
 
-def global_batches(rank_loaders, steps: int) -> list[torch.Tensor]:
-    """The next `steps` global batches as windows (input plus last label), ranks concatenated in order."""
+def docs_loaders(tok, layout: tuple[int, ...], docs_file: Path, streaming: bool, **kwargs):
+    """Loaders over DOCS as a map-style or a streaming HF dataset (the C4 code path), one per rank."""
+    world, batch, accum = (*layout, 1)[:3]
+    out = []
+    for rank in range(world):
+        # One source per rank, as in separate processes: a streaming HF dataset has its own reader.
+        if streaming:
+            ds = datasets.load_dataset("json", data_files=str(docs_file), split="train", streaming=True)
+        else:
+            ds = load_text_dataset("docs", str(docs_file))
+        dataset = HuggingFaceDataset("docs", ds, tok, SEQ_LEN, batch, world, rank, accum, **kwargs)
+        out.append(StatefulDataLoader(dataset, batch_size=batch))
+    return out
+
+
+def global_batches(rank_loaders, steps: int, accum: int = 1) -> list[torch.Tensor]:
+    """The next `steps` global batches as windows (input plus last label): for each of the `accum`
+    micro-batches of a step, the ranks' rows in rank order."""
     iters = [iter(dl) for dl in rank_loaders]
     out = []
     for _ in range(steps):
-        parts = [next(it) for it in iters]
+        parts = [next(it) for _ in range(accum) for it in iters]
         out.append(torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in parts]))
     return out
 
 
 def token_stream(tok, docs: list[str]) -> list[int]:
     return [t for d in docs for t in tok.encode(d, bos=True, eos=True)]
+
+
+def reference_batches(
+    tok, docs: list[str], num_streams: int, steps: int, seq_len=SEQ_LEN
+) -> list[torch.Tensor]:
+    """The definition, computed without the loader: row j of global batch k is window k of stream j, the
+    BOS/doc/EOS tokens of documents j, j + S, j + 2S, ... (S = num_streams), epoch after epoch."""
+    window = seq_len + 1
+    rows = []
+    for j in range(num_streams):
+        tokens: list[int] = []
+        while len(tokens) < steps * window:
+            for d in docs[j::num_streams]:
+                tokens += tok.encode(d, bos=True, eos=True)
+                if len(tokens) >= steps * window:
+                    break
+        rows.append(torch.tensor(tokens[: steps * window]).view(steps, window))
+    return [torch.stack([r[k] for r in rows]) for k in range(steps)]
+
+
+def all_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def kjv_docs() -> list[str]:
+    with open(REPO_ROOT / "assets/corpus/kjv/train.jsonl") as f:
+        return [json.loads(line)["text"] for line in f]
+
+
+def merged_state(rank_loaders) -> dict:
+    """The ranks' loader states merged, as DCP merges the keys every rank saves."""
+    state = copy.deepcopy(rank_loaders[0].state_dict())
+    for dl in rank_loaders[1:]:
+        for key, streams in dl.state_dict()["dataset_state"].items():
+            state["dataset_state"][key].update(copy.deepcopy(streams))
+    return state
+
+
+class CountingTokenizer:
+    """Counts the tokens it encodes."""
+
+    def __init__(self, tok: Tokenizer):
+        self.tok = tok
+        self.count = 0
+
+    def encode(self, s: str, bos: bool, eos: bool) -> list[int]:
+        ids = self.tok.encode(s, bos=bos, eos=eos)
+        self.count += len(ids)
+        return ids
 
 
 def test_windows_and_label_shift(tok):
@@ -74,9 +141,8 @@ def test_windows_and_label_shift(tok):
 
 
 def test_stream_is_bos_doc_eos_concatenated(tok):
-    with open(REPO_ROOT / "assets/corpus/kjv/train.jsonl") as f:
-        first_docs = [json.loads(next(f))["text"] for _ in range(3)]
-    expected = token_stream(tok, first_docs)
+    """With a global batch of one, the single stream is every document with BOS/EOS, in order."""
+    expected = token_stream(tok, kjv_docs()[:3])
     n_windows = len(expected) // (SEQ_LEN + 1)
     windows = torch.cat(global_batches(loaders(tok, (1, 1)), n_windows)).flatten().tolist()
     assert windows == expected[: len(windows)]
@@ -85,101 +151,144 @@ def test_stream_is_bos_doc_eos_concatenated(tok):
     assert tok.decode(windows[1:]).startswith("Genesis 1\n\nIn the beginning God created the heaven")
 
 
-def test_layout_invariance(tok):
-    steps = 6
-    reference = global_batches(loaders(tok, (1, 4)), steps)
-    for layout in [(2, 2), (4, 1)]:
-        batches = global_batches(loaders(tok, layout), steps)
+def test_rows_are_streams_of_dealt_documents(tok):
+    """Global row j reads documents j, j + S, ...: row 1 of the first batch starts with chapter 2."""
+    steps = 40  # past the first chapter of every stream
+    batches = global_batches(loaders(tok, (2, 2)), steps)
+    assert all_equal(batches, reference_batches(tok, kjv_docs(), 4, steps))
+    assert tok.decode(batches[0][1, 1:].tolist()).startswith("Genesis 2\n\n")
+
+
+LAYOUTS = [(1, 4), (2, 2), (4, 1), (1, 2, 2), (2, 1, 2), (1, 1, 4)]  # (ranks, batch, micro-batches)
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["map", "streaming"])
+def test_layout_invariance(tok, docs_file, streaming):
+    """Every layout with a global batch of 4 gives the reference batches, across epochs (40 documents of
+    ~25 tokens: each stream re-loops every ~8 windows)."""
+    steps = 20
+    reference = reference_batches(tok, DOCS, 4, steps)
+    for layout in LAYOUTS:
+        batches = global_batches(docs_loaders(tok, layout, docs_file, streaming), steps, (*layout, 1)[2])
         for k in range(steps):
             assert torch.equal(batches[k], reference[k]), (layout, k)
 
 
-def test_layout_invariance_across_epochs(tok, docs_file):
-    """Re-looping continues the same global stream on every layout."""
-    steps = 40  # the 40 short documents hold ~13 global batches of 4 windows
-    reference = global_batches(loaders(tok, (1, 4), path=str(docs_file)), steps)
-    batches = global_batches(loaders(tok, (2, 2), path=str(docs_file)), steps)
-    assert all(torch.equal(a, b) for a, b in zip(batches, reference))
-
-
-def test_resume(tok):
-    (dl,) = loaders(tok, (1, 4))
-    it = iter(dl)
-    for _ in range(5):
-        next(it)
-    state = copy.deepcopy(dl.state_dict())
-    expected = [next(it) for _ in range(4)]
-
-    (resumed,) = loaders(tok, (1, 4))
-    resumed.load_state_dict(state)
-    got = [batch for batch, _ in zip(resumed, range(4))]
-    for (x, y), (ex, ey) in zip(got, expected):
-        assert torch.equal(x, ex) and torch.equal(y, ey)
-
-
-def docs_loaders(tok, layout: tuple[int, int], streaming: bool) -> list[StatefulDataLoader]:
-    """Loaders over DOCS held in memory, as a map-style or a streaming HF dataset (the C4 code path)."""
-    world, batch = layout
-    out = []
-    for rank in range(world):
-        # One source per rank, as in separate processes: a streaming HF dataset tracks its own position.
-        ds = datasets.Dataset.from_dict({"text": DOCS})
-        if streaming:
-            ds = ds.to_iterable_dataset(num_shards=4)
-        dataset = HuggingFaceDataset("docs", ds, tok, SEQ_LEN, batch, world, rank)
-        out.append(StatefulDataLoader(dataset, batch_size=batch))
-    return out
+def test_layout_invariance_kjv(tok):
+    steps = 6
+    reference = global_batches(loaders(tok, (1, 4)), steps)
+    for layout in [(2, 2), (4, 1), (1, 2, 2)]:
+        batches = global_batches(loaders(tok, layout), steps, (*layout, 1)[2])
+        assert all_equal(batches, reference), layout
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["map", "streaming"])
-def test_reshard_on_resume(tok, streaming):
-    """Save on 2 ranks x 2, resume on 1 x 4, 4 x 1 and 1 x 8: the global stream goes on unchanged."""
-    steps_before, steps_after = 7, 6  # 76 windows of the global stream: crosses the end of the data
-    stream = torch.cat(
-        global_batches(docs_loaders(tok, (1, 1), streaming), 4 * (steps_before + 2 * steps_after))
-    )
+def test_each_rank_tokenizes_its_share(tok, streaming):
+    """Simulated DP 4 and 8 (a rank each, batch 1 or 2): a rank tokenizes at most 1.25x the tokens it
+    yields (the old global stream tokenized DP x). The first documents are read ahead, so run a while."""
+    kjv = REPO_ROOT / "assets/corpus/kjv/train.jsonl"
+    seq_len, steps = 128, 60
+    for world, batch in [(4, 2), (8, 1)]:
+        for rank in range(world):
+            counter = CountingTokenizer(tok)
+            if streaming:
+                ds = datasets.load_dataset("json", data_files=str(kjv), split="train", streaming=True)
+            else:
+                ds = load_text_dataset("kjv")
+            dataset = HuggingFaceDataset("kjv", ds, counter, seq_len, batch, world, rank)
+            it = iter(StatefulDataLoader(dataset, batch_size=batch))
+            yielded = sum(next(it)[0].numel() for _ in range(steps))
+            assert yielded == steps * batch * seq_len
+            assert counter.count <= 1.25 * yielded, (world, rank, counter.count / yielded)
 
-    before = docs_loaders(tok, (2, 2), streaming)
-    assert torch.equal(torch.cat(global_batches(before, steps_before)), stream[: 4 * steps_before])
+
+def test_resume(tok):
+    """A state taken after any batch, also in the middle of an optimizer step, continues bit for bit."""
+    for layout, taken in [((1, 4), 5), ((1, 2, 2), 3)]:
+        (dl,) = loaders(tok, layout)
+        it = iter(dl)
+        for _ in range(taken):
+            next(it)
+        state = copy.deepcopy(dl.state_dict())
+        expected = [next(it) for _ in range(4)]
+
+        (resumed,) = loaders(tok, layout)
+        resumed.load_state_dict(state)
+        got = [batch for batch, _ in zip(resumed, range(4))]
+        for (x, y), (ex, ey) in zip(got, expected, strict=True):
+            assert torch.equal(x, ex) and torch.equal(y, ey), layout
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["map", "streaming"])
+def test_reshard_on_resume(tok, docs_file, streaming):
+    """Save on 2 ranks x 2, resume on other layouts with a global batch of 4: the streams go on unchanged
+    (across the end of the data)."""
+    steps_before, steps_after = 7, 6
+    reference = reference_batches(tok, DOCS, 4, steps_before + steps_after)
+
+    before = docs_loaders(tok, (2, 2), docs_file, streaming)
+    assert all_equal(global_batches(before, steps_before), reference[:steps_before])
     states = [dl.dataset.state_dict() for dl in before]
-    info = {"dp_world_size", "dp_rank", "batch_size"}
-    assert {k: v for k, v in states[0].items() if k not in info} == {
-        k: v for k, v in states[1].items() if k not in info
-    }
-    for layout in [(1, 4), (4, 1), (1, 8)]:
-        after = docs_loaders(tok, layout, streaming)
+    assert [sorted(s["global_batch_4"]) for s in states] == [
+        ["stream_0", "stream_1"],
+        ["stream_2", "stream_3"],
+    ]
+    assert all(
+        v.dtype == torch.int64 and v.shape == (4,) for s in states for v in s["global_batch_4"].values()
+    )
+    merged = {"global_batch_4": {**states[0]["global_batch_4"], **states[1]["global_batch_4"]}}
+    for layout in [(1, 4), (4, 1), (1, 2, 2), (2, 2)]:
+        after = docs_loaders(tok, layout, docs_file, streaming)
         for dl in after:
-            dl.dataset.load_state_dict(copy.deepcopy(states[0]))
-        start = 4 * steps_before
-        n = layout[0] * layout[1] * steps_after
-        assert torch.equal(torch.cat(global_batches(after, steps_after)), stream[start : start + n]), layout
+            dl.dataset.load_state_dict(copy.deepcopy(merged))
+        batches = global_batches(after, steps_after, (*layout, 1)[2])
+        assert all_equal(batches, reference[steps_before:]), layout
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.parametrize("streaming", [False, True], ids=["map", "streaming"])
-def test_dcp_checkpoint_reshard(tok, streaming, tmp_path: Path):
-    """The loader state survives torch.distributed.checkpoint, loaded into fresh loaders of another layout."""
-    before = docs_loaders(tok, (2, 2), streaming)
+def test_dcp_checkpoint_reshard(tok, docs_file, streaming, tmp_path: Path):
+    """The loader states survive torch.distributed.checkpoint: saved by 2 ranks (their keys merged, as DCP
+    does), loaded into fresh loaders of 4 ranks, each asking only for its own stream."""
+    before = docs_loaders(tok, (2, 2), docs_file, streaming)
     global_batches(before, 5)
-    dcp.save({"dataloader": before[1]}, checkpoint_id=tmp_path)
-    after = docs_loaders(tok, (4, 1), streaming)
+    dcp.save({"dataloader": merged_state(before)}, checkpoint_id=tmp_path)
+    after = docs_loaders(tok, (4, 1), docs_file, streaming)
     for dl in after:
         dcp.load({"dataloader": dl}, checkpoint_id=tmp_path)
-    stream = torch.cat(global_batches(docs_loaders(tok, (1, 1), streaming), 4 * 8))
-    assert torch.equal(torch.cat(global_batches(after, 3)), stream[4 * 5 :])
+    assert all_equal(global_batches(after, 3), reference_batches(tok, DOCS, 4, 8)[5:])
 
 
 def test_reshard_stateful_dataloader(tok):
     """Same through StatefulDataLoader state dicts, as the checkpointer sees them."""
     before = loaders(tok, (2, 2))
     global_batches(before, 3)
-    state = before[1].state_dict()
-    expected = torch.cat(global_batches(loaders(tok, (1, 1)), 4 * 5)[12:])
-    for layout in [(1, 4), (4, 1)]:
+    state = merged_state(before)
+    expected = global_batches(loaders(tok, (1, 4)), 5)[3:]
+    for layout in [(1, 4), (4, 1), (1, 2, 2)]:
         after = loaders(tok, layout)
         for dl in after:
-            dl.load_state_dict(state)
-        assert torch.equal(torch.cat(global_batches(after, 2)), expected[:8]), layout
+            dl.load_state_dict(copy.deepcopy(state))
+        assert all_equal(global_batches(after, 2, (*layout, 1)[2]), expected), layout
+
+
+def test_other_global_batch_or_old_state_is_refused(tok):
+    """The streams depend on the global batch size: a state saved for another one, or by the old
+    global-stream loader, is refused with the option that starts the data afresh."""
+    (dl,) = loaders(tok, (1, 4))
+    next(iter(dl))
+    state = dl.state_dict()
+    old = {"epoch": 0, "position": "12", "token_buffer": [1, 2], "num_sequences": 4}
+    for layout, dataset_state in [
+        ((1, 8), state["dataset_state"]),
+        ((2, 1), state["dataset_state"]),
+        ((1, 4), old),
+    ]:
+        (other,) = loaders(tok, layout)[:1]
+        with pytest.raises(
+            ValueError, match="global batch size.*--checkpoint.exclude_from_loading dataloader"
+        ):
+            other.dataset.load_state_dict(copy.deepcopy(dataset_state))
 
 
 def test_infinite_relooping(tok, docs_file, caplog):
@@ -194,16 +303,36 @@ def test_infinite_relooping(tok, docs_file, caplog):
     finally:
         titan_logger.removeHandler(caplog.handler)
     assert windows.flatten().tolist() == (stream * 3)[: n_windows * window]
-    assert "re-looped" in caplog.text
+    relooped = {r.getMessage() for r in caplog.records if "re-looped" in r.getMessage()}
+    assert relooped == {f"Dataset 'kjv' is being re-looped: starting epoch {e}" for e in (1, 2)}
 
 
-def test_finite_stops_and_restarts(tok, docs_file):
-    (dl,) = loaders(tok, (1, 4), path=str(docs_file), infinite=False)
-    n_tokens = len(token_stream(tok, DOCS))
-    first = [x for x, _ in dl]
-    assert len(first) == n_tokens // (4 * (SEQ_LEN + 1))  # the incomplete last global batch is dropped
-    second = [x for x, _ in dl]
-    assert all(torch.equal(a, b) for a, b in zip(first, second)) and len(first) == len(second)
+@pytest.mark.parametrize("streaming", [False, True], ids=["map", "streaming"])
+def test_finite_stops_and_restarts(tok, docs_file, streaming):
+    """One pass, as many global batches as the shortest stream has windows, the same on every rank;
+    the next pass starts again from the beginning."""
+    window = SEQ_LEN + 1
+    shortest = min(len(token_stream(tok, DOCS[j::4])) for j in range(4)) // window
+    longest = max(len(token_stream(tok, DOCS[j::4])) for j in range(4)) // window
+    assert shortest < longest  # else this test could not tell the streams apart
+    reference = reference_batches(tok, DOCS, 4, shortest)
+    for layout in [(1, 4), (2, 2), (4, 1)]:
+        rank_loaders = docs_loaders(tok, layout, docs_file, streaming, infinite=False)
+        passes = [[[x for x, _ in dl] for dl in rank_loaders] for _ in range(2)]
+        for batches in passes:
+            assert [len(b) for b in batches] == [shortest] * layout[0], layout
+        assert all_equal(global_batches(rank_loaders, shortest), reference), layout
+        assert all(all_equal(a, b) for a, b in zip(*passes)), layout
+
+
+@pytest.mark.parametrize("infinite", [True, False], ids=["infinite", "finite"])
+@pytest.mark.parametrize("streaming", [False, True], ids=["map", "streaming"])
+def test_too_small_for_the_global_batch(tok, tmp_path, streaming, infinite):
+    path = tmp_path / "three.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[:3]))
+    with pytest.raises(ValueError, match="has 3 documents, fewer than the 4 sequences of a global batch"):
+        for dl in docs_loaders(tok, (2, 2), path, streaming, infinite=infinite):
+            next(iter(dl))
 
 
 def test_kjv_validation_split():

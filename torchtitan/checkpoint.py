@@ -150,6 +150,15 @@ def read_model_weights(path: str) -> dict[str, torch.Tensor]:
     return weights
 
 
+def _flat_keys(state: dict[str, Any], prefix: str) -> list[str]:
+    """The keys DCP flattens a nested state dict to ('dataloader.dataset_state.x')."""
+    keys = []
+    for key, value in state.items():
+        name = f"{prefix}.{key}"
+        keys += _flat_keys(value, name) if isinstance(value, dict) else [name]
+    return keys
+
+
 def _fsync_dir(path: str) -> None:
     """Make a rename in `path` durable."""
     fd = os.open(path, os.O_RDONLY)
@@ -274,6 +283,8 @@ class CheckpointManager:
                 f"checkpoint: {path} has no {', '.join(missing)} state (a model_weights_only export?); "
                 "start from it with checkpoint.initial_load_path, or set checkpoint.exclude_from_loading"
             )
+        if "dataloader" in parts:
+            self._check_dataloader_keys(path, saved)
         logger.info(f"Loading {', '.join(parts)} from {path}")
         try:
             dcp.load(
@@ -286,6 +297,23 @@ class CheckpointManager:
                 f"checkpoint: cannot load {path} ({str(e).strip().splitlines()[-1]}); it may come from a "
                 "different model or layout: point job.dump_folder elsewhere or move the folder away"
             ) from e
+
+    def _check_dataloader_keys(self, path: str, saved: dict[str, Any]) -> None:
+        """DCP asks for the keys of this run's data loader state; the data streams are keyed by the global
+        batch size, so another global batch size (or an older loader) leaves keys missing: say so in one
+        line rather than DCP's 'missing key'."""
+        missing = [
+            key
+            for key in _flat_keys(self.states["dataloader"].state_dict(), "dataloader")
+            if key not in saved
+        ]
+        if missing:
+            raise ConfigError(
+                f"checkpoint: {path} has no {missing[0]}: its data loader state was saved for another "
+                "global batch size or by an older data loader, and the data streams depend on the global "
+                "batch size; keep the saved global batch size, or start the data afresh with "
+                "--checkpoint.exclude_from_loading dataloader"
+            )
 
     def _check_model_shapes(self, path: str, saved: dict[str, Any]) -> None:
         """Compare the parameters of the whole model (pipeline stages hold different ones, so gather

@@ -1,18 +1,21 @@
 """Text datasets -> packed ``(input_ids, labels)`` windows for pre-training.
 
-Documents are tokenized with BOS/EOS, concatenated into one token stream and cut into windows of
-``seq_len + 1`` tokens. The stream of windows is global: every data-parallel rank walks all of it and keeps
-only its own slice of each global batch, so global batch k holds the same windows in the same order for any
-layout (1 rank x batch 4 == 2 ranks x batch 2). The checkpointed state describes a position in that global
-stream, so a run can resume on a different number of ranks or per-rank batch size without repeating or
-skipping a window.
+There is one packed stream per row of the global batch (S = global batch size in sequences). Document i
+of the dataset is dealt to stream ``i % S``; each stream tokenizes its documents with BOS/EOS,
+concatenates them (over epochs) and cuts windows of ``seq_len + 1`` tokens. Every optimizer step takes one
+window from every stream, and global row j comes from stream j, so global batch k holds the same windows in
+the same order for any layout with the same global batch (1 rank x batch 4 == 2 ranks x batch 2 == 4 x 1,
+with or without gradient accumulation). A rank tokenizes only the documents of its own streams.
+
+The checkpointed state is four integers per stream (epoch, document, token offset, windows taken), keyed
+by stream: a rank saves and loads only its own streams, so a run resumes on any layout with the same global
+batch size. A different global batch size deals the documents differently and cannot resume the data.
 """
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import datasets
 import torch
@@ -21,6 +24,13 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from torchtitan.datasets.streams import (
+    MapDocuments,
+    PackedStream,
+    StreamingDocuments,
+    TextTokenizer,
+    too_small,
+)
 from torchtitan.logging import logger
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -47,10 +57,6 @@ DATASETS: dict[str, DatasetSpec] = {
 # File suffix -> HF `datasets` builder. Compressed copies (e.g. C4's *.json.gz shards) work too.
 _BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 _COMPRESSIONS = {".gz", ".bz2", ".xz", ".zst"}
-
-
-class TextTokenizer(Protocol):
-    def encode(self, s: str, bos: bool, eos: bool) -> list[int]: ...
 
 
 def _builder_for(path: Path) -> str | None:
@@ -137,45 +143,13 @@ def load_text_dataset(
     return ds
 
 
-class _MapDocuments:
-    """Documents of a map-style dataset; a position is the index of the next document."""
-
-    def __init__(self, ds: datasets.Dataset):
-        self.ds = ds
-
-    def valid_position(self, position: Any) -> bool:
-        return isinstance(position, int) and 0 <= position <= len(self.ds)
-
-    def documents(self, position: int | None, epoch: int) -> Iterator[tuple[str, int]]:
-        for i in range(position or 0, len(self.ds)):
-            yield self.ds[i]["text"], i + 1
-
-
-class _StreamingDocuments:
-    """Documents of a streaming HF dataset; a position is the HF dataset's own state_dict."""
-
-    def __init__(self, ds: datasets.IterableDataset):
-        self.ds = ds
-        # HF resumes from the last loaded state whenever its epoch matches, so a fresh pass loads this one.
-        self.start_state = ds.state_dict()
-
-    def valid_position(self, position: Any) -> bool:
-        return isinstance(position, dict)
-
-    def documents(self, position: dict | None, epoch: int) -> Iterator[tuple[str, dict]]:
-        self.ds.load_state_dict(position if position is not None else self.start_state)
-        self.ds.set_epoch(epoch)
-        for example in self.ds:
-            yield example["text"], self.ds.state_dict()
-
-
 class HuggingFaceDataset(IterableDataset, Stateful):
-    """Packed ``(input_ids, labels)`` windows of one data-parallel rank, from the global token stream.
+    """Packed ``(input_ids, labels)`` rows of one data-parallel rank, from its own streams.
 
-    Windows are produced a global batch (``batch_size * dp_world_size`` windows) at a time and this rank
-    yields rows ``[dp_rank * batch_size, (dp_rank + 1) * batch_size)`` of each. The state is committed after
-    each global batch, so ``state_dict()`` taken after a whole number of per-rank batches is the same on every
-    rank and for every layout.
+    There is one stream per row of the global batch (``grad_accum_steps * batch_size * dp_world_size``
+    rows per optimizer step). Micro-batch m of rank r holds streams ``m * D * b + r * b + [0, b)`` (D ranks,
+    per-rank batch b), so a rank only tokenizes the documents of its own ``grad_accum_steps * b`` streams and
+    global row j of every step comes from stream j whatever the layout.
     """
 
     def __init__(
@@ -187,86 +161,98 @@ class HuggingFaceDataset(IterableDataset, Stateful):
         batch_size: int,
         dp_world_size: int = 1,
         dp_rank: int = 0,
+        grad_accum_steps: int = 1,
         infinite: bool = True,
     ):
-        if seq_len < 1 or batch_size < 1:
-            raise ValueError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be positive")
+        if min(seq_len, batch_size, grad_accum_steps) < 1:
+            raise ValueError(
+                f"seq_len ({seq_len}), batch_size ({batch_size}) and grad_accum_steps ({grad_accum_steps}) "
+                "must be positive"
+            )
         if not 0 <= dp_rank < dp_world_size:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, dp_world_size={dp_world_size})")
         self.dataset_name = dataset_name
-        self._source = _MapDocuments(ds) if isinstance(ds, datasets.Dataset) else _StreamingDocuments(ds)
-        self._tokenizer = tokenizer
         self.seq_len = seq_len
-        self.batch_size = batch_size
-        self.dp_world_size = dp_world_size
-        self.dp_rank = dp_rank
         self.infinite = infinite
-        self._reset_state()
+        self.num_streams = grad_accum_steps * batch_size * dp_world_size
+        per_pass = batch_size * dp_world_size
+        # This rank's streams, one list per micro-batch of an optimizer step.
+        rows = range(dp_rank * batch_size, (dp_rank + 1) * batch_size)
+        self._groups = [[m * per_pass + j for j in rows] for m in range(grad_accum_steps)]
+        mine = [s for group in self._groups for s in group]
+        if isinstance(ds, datasets.Dataset):
+            self._documents = MapDocuments(dataset_name, ds, self.num_streams)
+        else:
+            self._documents = StreamingDocuments(dataset_name, ds, self.num_streams, mine)
+        self._streams = {
+            s: PackedStream(s, self._documents, tokenizer, seq_len + 1, self._on_epoch) for s in mine
+        }
+        self._tokenizer = tokenizer
+        self._warned_epoch = 0
+        self._num_steps: int | None = None  # of a finite pass, counted on first use
 
-    def _reset_state(self) -> None:
-        self._epoch = 0
-        self._position: Any = None  # where the next document is read; None = start of the epoch
-        self._token_buffer: list[int] = []  # tokens read but not yet cut into windows
-        self._num_sequences = 0  # windows produced so far in the global stream
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        window = self.seq_len + 1
-        global_tokens = window * self.batch_size * self.dp_world_size
-        mine = slice(self.dp_rank * self.batch_size * window, (self.dp_rank + 1) * self.batch_size * window)
-        epoch, position, buffer = self._epoch, self._position, list(self._token_buffer)
-
-        while True:
-            num_docs = 0
-            for text, next_position in self._source.documents(position, epoch):
-                num_docs += 1
-                buffer.extend(self._tokenizer.encode(text, bos=True, eos=True))
-                while len(buffer) >= global_tokens:
-                    rows = torch.tensor(buffer[mine], dtype=torch.long).view(self.batch_size, window)
-                    del buffer[:global_tokens]
-                    self._epoch, self._position, self._token_buffer = epoch, next_position, list(buffer)
-                    self._num_sequences += self.batch_size * self.dp_world_size
-                    for row in rows:
-                        yield row[:-1], row[1:]
-            if num_docs == 0 and position is None:  # an empty epoch would loop forever
-                raise ValueError(f"Dataset {self.dataset_name!r} yielded no documents")
-            if not self.infinite:
-                if self._num_sequences == 0:
-                    logger.warning(
-                        f"Dataset {self.dataset_name!r} has fewer tokens than one global batch "
-                        f"({global_tokens}): no batches produced"
-                    )
-                # The incomplete last global batch is dropped so every rank runs the same number of steps;
-                # the next pass starts from the beginning again.
-                self._reset_state()
-                return
-            epoch, position = epoch + 1, None
+    def _on_epoch(self, epoch: int) -> None:
+        if epoch > self._warned_epoch:
+            self._warned_epoch = epoch
             logger.warning(f"Dataset {self.dataset_name!r} is being re-looped: starting epoch {epoch}")
 
+    def _finite_steps(self) -> int:
+        """Whole global batches in one pass: as many as the shortest stream has windows. Every rank counts
+        all streams (one extra tokenization of the pass) so that all stop after the same batch."""
+        if self._num_steps is None:
+            tokens, num_docs = [0] * self.num_streams, 0
+            for i, text in enumerate(self._documents.all_texts()):
+                tokens[i % self.num_streams] += len(self._tokenizer.encode(text, bos=True, eos=True))
+                num_docs = i + 1
+            if num_docs < self.num_streams:
+                raise too_small(self.dataset_name, num_docs, self.num_streams)
+            self._num_steps = min(tokens) // (self.seq_len + 1)
+            if self._num_steps == 0:
+                logger.warning(
+                    f"Dataset {self.dataset_name!r} has a stream shorter than one window ({self.seq_len + 1} "
+                    "tokens): no batches produced"
+                )
+        return self._num_steps
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            # The step being filled; after a state taken mid-step, its first micro-batches are done.
+            step = min(stream.windows for stream in self._streams.values())
+            if not self.infinite and step >= self._finite_steps():
+                # The incomplete last global batch is dropped; the next pass starts from the beginning.
+                self.load_state_dict(self._fresh_state())
+                return
+            for group in self._groups:
+                if self._streams[group[0]].windows > step:
+                    continue
+                for s in group:
+                    row = self._streams[s].next_window()
+                    yield row[:-1], row[1:]
+
+    def _key(self) -> str:
+        return f"global_batch_{self.num_streams}"
+
+    def _fresh_state(self) -> dict[str, Any]:
+        return {self._key(): {f"stream_{s}": torch.zeros(4, dtype=torch.long) for s in self._streams}}
+
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "epoch": self._epoch,
-            # JSON keeps the structure fixed whatever the source (a streaming position is a nested dict):
-            # DCP loads into the structure of a fresh loader's state_dict.
-            "position": json.dumps(self._position),
-            "token_buffer": list(self._token_buffer),
-            "num_sequences": self._num_sequences,
-            # For information only: the state is valid for any layout.
-            "dp_world_size": self.dp_world_size,
-            "dp_rank": self.dp_rank,
-            "batch_size": self.batch_size,
-        }
+        """Four int64 per stream of this rank, under a key naming the global batch size they belong to:
+        ranks of the same data-parallel rank hold identical entries, and a rank of another layout with the
+        same global batch finds its streams among the saved ones."""
+        return {self._key(): {f"stream_{s}": stream.state() for s, stream in self._streams.items()}}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        position = json.loads(state_dict["position"])
-        if position is not None and not self._source.valid_position(position):
+        streams = state_dict.get(self._key())
+        if streams is None:
             raise ValueError(
-                f"Data loader state does not fit dataset {self.dataset_name!r} (position {position!r}); "
-                "was the checkpoint made with another dataset?"
+                f"The data loader state was saved for another global batch size or by an older loader "
+                f"(it holds {', '.join(state_dict) or 'nothing'}; this run needs {self._key()}): the data "
+                "streams depend on the global batch size; keep the saved one, or start the data afresh with "
+                "--checkpoint.exclude_from_loading dataloader"
             )
-        self._epoch = state_dict["epoch"]
-        self._position = position
-        self._token_buffer = list(state_dict["token_buffer"])
-        self._num_sequences = state_dict["num_sequences"]
+        for s, stream in self._streams.items():
+            stream.load(streams[f"stream_{s}"])
+        self._documents.reset({s: (stream.epoch, stream.doc) for s, stream in self._streams.items()})
 
 
 def build_hf_data_loader(
@@ -277,18 +263,27 @@ def build_hf_data_loader(
     seq_len: int,
     dp_world_size: int,
     dp_rank: int,
+    grad_accum_steps: int = 1,
     infinite: bool = True,
     split: str = "train",
 ) -> StatefulDataLoader:
     """One data-parallel rank's loader of ``(input_ids, labels)`` batches, both ``(batch_size, seq_len)``.
 
-    `batch_size` is per rank. The windows do not depend on the layout: global batch k is windows
-    ``[k * B, (k + 1) * B)`` of the global stream (B = ``batch_size * dp_world_size``), and the loader's state
-    taken between steps can be loaded under any other layout.
+    `batch_size` is per rank; each optimizer step takes `grad_accum_steps` batches. The windows depend only
+    on the global batch size: row j of global batch k is window k of stream j, so the loader's state taken
+    between steps can be loaded under any layout with the same global batch size.
     """
     ds = load_text_dataset(dataset_name, dataset_path, split)
     dataset = HuggingFaceDataset(
-        dataset_name, ds, tokenizer, seq_len, batch_size, dp_world_size, dp_rank, infinite=infinite
+        dataset_name,
+        ds,
+        tokenizer,
+        seq_len,
+        batch_size,
+        dp_world_size,
+        dp_rank,
+        grad_accum_steps=grad_accum_steps,
+        infinite=infinite,
     )
     # A generator of its own: each iter() draws a seed from it, which would otherwise advance the global
     # RNG after the checkpointed RNG state is restored, and a resumed run's state would drift.

@@ -6,7 +6,7 @@ unpickles two things with no restriction: the `.metadata` file (`FileSystemReade
 False)`). A crafted checkpoint could run code through either. Here `.metadata` is read by an unpickler
 that builds only DCP's own metadata classes and a few plain torch types, and non-tensor items must pass
 `weights_only=True`, which admits plain values (numbers, strings, lists, dicts, tensors): all this
-project's non-tensor state is such (the data loader's position, for one, is a JSON string)."""
+project's non-tensor state is such (the optimizer's hyperparameters, the data loader's batch count)."""
 
 import io
 import os

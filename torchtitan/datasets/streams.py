@@ -1,0 +1,157 @@
+"""Packed token streams: the documents dealt to one row of the global batch, tokenized and cut into windows.
+
+Document i of a dataset belongs to stream ``i % num_streams``, so a stream's n-th document is document
+``stream + num_streams * n``. A rank reads the documents of its own streams only; nothing here depends on
+how many ranks there are.
+"""
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from itertools import chain
+from typing import Protocol
+
+import datasets
+import torch
+
+
+class TextTokenizer(Protocol):
+    def encode(self, s: str, bos: bool, eos: bool) -> list[int]: ...
+
+
+def too_small(name: str, num_docs: int, num_streams: int) -> ValueError:
+    return ValueError(
+        f"Dataset {name!r} has {num_docs} documents, fewer than the {num_streams} sequences of a global "
+        "batch (each row of a global batch reads its own documents): use more data or a smaller global batch"
+    )
+
+
+class MapDocuments:
+    """A map-style dataset: random access to any stream's n-th document."""
+
+    def __init__(self, name: str, ds: datasets.Dataset, num_streams: int):
+        if len(ds) < num_streams:
+            raise too_small(name, len(ds), num_streams)
+        self.ds = ds
+        self.num_streams = num_streams
+
+    def reset(self, starts: dict[int, tuple[int, int]]) -> None:
+        """Nothing to do: documents are read by index."""
+
+    def get(self, stream: int, epoch: int, n: int) -> str | None:
+        """Document n of `stream` in `epoch`, or None past the stream's last document."""
+        i = stream + self.num_streams * n
+        return self.ds[i]["text"] if i < len(self.ds) else None
+
+    def all_texts(self) -> Iterator[str]:
+        for i in range(len(self.ds)):
+            yield self.ds[i]["text"]
+
+
+class StreamingDocuments:
+    """A streaming dataset, read once from the start of each epoch: documents of this rank's streams are
+    queued (raw text, tokenized only when their stream reaches them), the others are skipped over.
+
+    Streams consume documents at slightly different rates, so the queues hold, untokenized, the documents
+    dealt to the faster streams while the slowest one catches up. Resuming skips to the earliest document
+    any stream needs: that costs reading, not tokenizing.
+    """
+
+    def __init__(self, name: str, ds: datasets.IterableDataset, num_streams: int, streams: list[int]):
+        self.name = name
+        self.ds = ds
+        self.num_streams = num_streams
+        self.reset({s: (0, 0) for s in streams})
+
+    def reset(self, starts: dict[int, tuple[int, int]]) -> None:
+        """Read on from the first of `starts` (stream -> (epoch, n)); earlier documents are skipped."""
+        self._starts = starts
+        self._queues: dict[int, deque[tuple[int, int, str | None]]] = {s: deque() for s in starts}
+        epoch, first = min((e, s + self.num_streams * n) for s, (e, n) in starts.items())
+        self._epoch, self._index = epoch, first
+        self._reader: Iterator[str] | None = None
+
+    def _read_one(self) -> None:
+        """Queue the next document for its stream if it is one of ours; at the end of an epoch, queue an
+        end-of-epoch marker (text None) for every stream."""
+        if self._reader is None:
+            self.ds.set_epoch(self._epoch)
+            ds = self.ds.skip(self._index) if self._index else self.ds
+            # In batches: a rank reads every document, so reading costs more than its own tokenizing.
+            self._reader = chain.from_iterable(batch["text"] for batch in ds.iter(batch_size=256))
+        text = next(self._reader, None)
+        if text is None:
+            if self._index < self.num_streams:
+                raise too_small(self.name, self._index, self.num_streams)
+            for s, queue in self._queues.items():
+                if self._epoch >= self._starts[s][0]:
+                    queue.append((self._epoch, -1, None))
+            self._epoch, self._index, self._reader = self._epoch + 1, 0, None
+            return
+        s, n = self._index % self.num_streams, self._index // self.num_streams
+        if s in self._queues and (self._epoch, n) >= self._starts[s]:
+            self._queues[s].append((self._epoch, n, text))
+        self._index += 1
+
+    def get(self, stream: int, epoch: int, n: int) -> str | None:
+        queue = self._queues[stream]
+        while not queue:
+            self._read_one()
+        got_epoch, got_n, text = queue.popleft()
+        assert got_epoch == epoch and got_n in (n, -1), (stream, epoch, n, got_epoch, got_n)
+        return text
+
+    def all_texts(self) -> Iterator[str]:
+        self.ds.set_epoch(0)
+        for example in self.ds:
+            yield example["text"]
+
+
+class PackedStream:
+    """One stream: its documents with BOS/EOS, concatenated over epochs and cut into windows.
+
+    Its state is four integers: the epoch, the index of its current document among its own, the offset of
+    the next token in that document's tokens, and the number of windows taken so far.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        documents: MapDocuments | StreamingDocuments,
+        tokenizer: TextTokenizer,
+        window: int,
+        on_epoch: Callable[[int], None],
+    ):
+        self.index = index
+        self._documents = documents
+        self._tokenizer = tokenizer
+        self._window = window
+        self._on_epoch = on_epoch
+        self.load(torch.zeros(4, dtype=torch.long))
+
+    def state(self) -> torch.Tensor:
+        return torch.tensor([self.epoch, self.doc, self.offset, self.windows], dtype=torch.long)
+
+    def load(self, state: torch.Tensor) -> None:
+        self.epoch, self.doc, self.offset, self.windows = (int(v) for v in state)
+        self._tokens: list[int] | None = None  # the current document's, tokenized again after a load
+
+    def _tokenize_current(self) -> list[int]:
+        text = self._documents.get(self.index, self.epoch, self.doc)
+        if text is None:  # past this stream's last document: the next epoch starts
+            self.epoch, self.doc, self.offset = self.epoch + 1, 0, 0
+            self._on_epoch(self.epoch)
+            text = self._documents.get(self.index, self.epoch, self.doc)
+        return self._tokenizer.encode(text, bos=True, eos=True)
+
+    def next_window(self) -> torch.Tensor:
+        out: list[int] = []
+        while len(out) < self._window:
+            if self._tokens is None:
+                self._tokens = self._tokenize_current()
+            take = self._tokens[self.offset : self.offset + self._window - len(out)]
+            out += take
+            self.offset += len(take)
+            if len(out) < self._window:
+                self.doc, self.offset, self._tokens = self.doc + 1, 0, None
+        self.windows += 1
+        return torch.tensor(out, dtype=torch.long)
