@@ -9,7 +9,7 @@ import warnings
 import torch
 
 from torchtitan.checkpoint import CheckpointManager, TrainState
-from torchtitan.config_manager import JobConfig, parse_args, resolve_path
+from torchtitan.config_manager import JobConfig, resolve_path
 from torchtitan.config_rules import check_layout, gradient_accumulation_steps
 from torchtitan.datasets.hf_datasets import build_hf_data_loader
 from torchtitan.datasets.tokenizer import Tokenizer
@@ -25,13 +25,13 @@ from torchtitan.metrics import MetricLogger, flops_per_token, peak_flops
 from torchtitan.models import build_model_args
 from torchtitan.models.llama.model import Transformer
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer
-from torchtitan.parallelisms.parallelize_llama import DTYPES, parallelize_llama
-from torchtitan.parallelisms.pipeline_llama import pipeline_llama
+from torchtitan.parallelisms.parallelize_llama import DTYPES
 from torchtitan.profiling import maybe_enable_profilers
-from torchtitan.reliability.errors import EXIT_OK, bad_input, run_with_exit_codes
+from torchtitan.reliability.entry import run_job
+from torchtitan.reliability.errors import EXIT_OK, bad_input
 from torchtitan.reliability.guards import NonFiniteGuard, StopRequest
-from torchtitan.reliability.preflight import check_job
-from torchtitan.train_step import TrainStep, loss_fn
+from torchtitan.train_step import TrainStep, parallelize_model
+from torchtitan.validation import Validator
 
 
 def set_determinism(seed: int, deterministic: bool) -> None:
@@ -54,11 +54,9 @@ def main(job_config: JobConfig) -> int:
         logger.info(f"Configuration: {job_config.to_dict()}")
 
     parallel_dims = check_layout(job_config, world_size, device.type)
-    world_mesh = parallel_dims.build_mesh(device.type) if world_size > 1 else None
+    meshes = parallel_dims.build_meshes(device.type)
     set_collective_timeout(job_config.comm.init_timeout_seconds)  # the mesh's groups too
-    dp_mesh = world_mesh[parallel_dims.dp_mesh_name()] if parallel_dims.dp_enabled else None
-    pp_mesh = world_mesh["pp"] if parallel_dims.pp_enabled else None
-    dp_degree, dp_rank = (dp_mesh.size(), dp_mesh.get_local_rank()) if dp_mesh is not None else (1, 0)
+    dp_degree, dp_rank = meshes.dp_degree_and_rank
     grad_accum_steps = gradient_accumulation_steps(training, parallel_dims)
     set_determinism(training.seed, training.deterministic)
 
@@ -83,12 +81,8 @@ def main(job_config: JobConfig) -> int:
     num_flop_params = model.num_params(exclude_embedding=True)
 
     # model_parts: the modules this rank trains (its pipeline stages, or the whole model).
-    pipeline = None
-    if parallel_dims.pp_enabled:
-        pipeline, model_parts = pipeline_llama(model, world_mesh, parallel_dims, job_config, device, loss_fn)
-        del model
-    else:
-        model_parts = [parallelize_llama(model, world_mesh, parallel_dims, job_config)]
+    model_parts, pipeline = parallelize_model(model, meshes.world, parallel_dims, job_config, device)
+    del model
     for part in model_parts:
         part.to_empty(device=device)
         part.init_weights(seed=training.seed)
@@ -119,6 +113,9 @@ def main(job_config: JobConfig) -> int:
         device=device,
         is_logging_rank=rank == 0,
     )
+    validator = None
+    if job_config.validation.enable:
+        validator = Validator(job_config, train_step, tokenizer, meshes)
     params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
     stop_request = StopRequest()  # SIGTERM/SIGUSR1: save and stop after a step
     nonfinite = NonFiniteGuard(training.skip_nonfinite_steps)
@@ -139,18 +136,23 @@ def main(job_config: JobConfig) -> int:
 
             optimizer.zero_grad()
             loss = train_step.forward_backward(batches)
-            grad_norm = clip_grad_norm_(params, training.max_norm, pp_mesh)
+            grad_norm = clip_grad_norm_(params, training.max_norm, meshes.pp)
             if nonfinite.step_ok(step, grad_norm):
                 optimizer.step()
             lr_scheduler.step()
             metric_logger.step_done()
 
             if metric_logger.should_log(step):
-                loss_value = dist_mean(dist_sum(loss, pp_mesh) if pp_mesh else loss, dp_mesh)
+                loss_value = dist_mean(dist_sum(loss, meshes.pp) if meshes.pp else loss, meshes.dp)
                 metric_logger.log(
                     step, loss_value, grad_norm.item(), lr_scheduler.get_last_lr()[0], nonfinite.skipped
                 )
                 nonfinite.check(step, loss_value)
+            if validator is not None and validator.should_validate(step):
+                result = validator.validate()
+                metric_logger.log_validation(
+                    step, result.loss, result.perplexity, result.tokens, result.seconds
+                )
             stop = stop_request.agreed(device)  # the same answer on every rank
             # Never save a non-finite state.
             before_save = functools.partial(nonfinite.check, step)
@@ -175,19 +177,7 @@ def main(job_config: JobConfig) -> int:
 def run(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (torchtitan/reliability/errors.py lists them). Bad input, a
     non-finite step and a failed collective are one line on stderr; TITAN_DEBUG=1 shows a traceback."""
-    job_config = None
-
-    def parse_check_and_train() -> int:
-        nonlocal job_config
-        job_config = parse_args(argv)
-        check_job(job_config, int(os.environ.get("WORLD_SIZE", "1")))
-        return main(job_config)
-
-    try:
-        return run_with_exit_codes(parse_check_and_train, lambda: job_config and job_config.comm)
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+    return run_job(main, argv)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Loss parity of parallel layouts with one process, on CPU (gloo), in fp32.
 
 Every layout trains the debug model for a few steps on the same global batches as a 1-process
-reference run (same global batch size) and must log the same per-step loss and gradient norm, within
-a tolerance: data, tensor and sequence parallelism, gradient accumulation, activation checkpointing
-and compilation change how the work is split, never what is computed.
+reference run (same global batch size) and must log the same per-step loss and gradient norm, and the
+same validation loss (steps 5 and 10, the same global validation batch), within a tolerance: data,
+tensor and sequence parallelism, gradient accumulation, activation checkpointing and compilation
+change how the work is split, never what is computed.
 
 Usage: python scripts/parity_matrix.py [--only SUBSTRING ...] [--steps 10] [--tol 1e-5] [--keep DIR]
 
@@ -21,12 +22,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from launch import read_metrics, run_train  # noqa: E402
+from launch import VALIDATION, read_metrics, run_train, validation_losses  # noqa: E402
 
 AC_FULL = ("--activation_checkpoint.mode", "full")
 AC_OP = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")
 AC_EVERY_2 = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2")
 COMPILE = ("--training.compile", "true")
+TP_DEGREE = "--parallelism.tensor_parallel_degree"
+VALIDATION_BATCH = 4  # sequences per global validation batch, the same in every layout
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,11 @@ class Layout:
     global_batch: int  # sequences per step; the reference runs them as one batch on one process
     args: tuple[str, ...] = ()
 
+    @property
+    def dp_degree(self) -> int:
+        args = list(self.args)
+        return self.nproc // (int(args[args.index(TP_DEGREE) + 1]) if TP_DEGREE in args else 1)
+
     def argv(self, steps: int) -> list[str]:
         return [
             "--training.steps",
@@ -45,6 +53,9 @@ class Layout:
             str(self.batch_size),
             "--training.global_batch_size",
             str(self.global_batch),
+            *VALIDATION,
+            "--validation.batch_size",
+            str(VALIDATION_BATCH // self.dp_degree),
             *self.args,
         ]
 
@@ -55,7 +66,7 @@ def replicate(n: int) -> tuple[str, ...]:
 
 def tp(n: int, loss_parallel: bool = True) -> tuple[str, ...]:
     return (
-        "--parallelism.tensor_parallel_degree",
+        TP_DEGREE,
         str(n),
         "--parallelism.enable_loss_parallel",
         str(loss_parallel).lower(),
@@ -99,22 +110,28 @@ class Result:
     max_loss_diff: float = float("nan")
     max_grad_norm_diff: float = float("nan")
     step1_loss_diff: float = float("nan")
+    max_validation_diff: float = float("nan")
     seconds: float = 0.0
     error: str | None = None
 
     def ok(self, tol: float) -> bool:
-        return self.error is None and self.max_loss_diff <= tol and self.max_grad_norm_diff <= tol
+        diffs = (self.max_loss_diff, self.max_grad_norm_diff, self.max_validation_diff)
+        return self.error is None and all(diff <= tol for diff in diffs)
 
 
 def run(folder: Path, nproc: int, argv: list[str]) -> tuple[list[dict] | None, str | None, float]:
-    """(per-step metrics, error, seconds) of one launch of train.py."""
+    """(per-step metrics, error, seconds) of one launch of train.py; the validation losses by step
+    are added to the metrics of their step."""
     start = time.perf_counter()
     result = run_train(nproc, folder, *argv, timeout=900)
     seconds = time.perf_counter() - start
     if result.returncode != 0:
         lines = (result.stderr or result.stdout).strip().splitlines() or ["no output"]
         return None, f"exit {result.returncode}: {lines[-1]}", seconds
-    return read_metrics(folder), None, seconds
+    metrics = read_metrics(folder)
+    for record in metrics:
+        record["validation_loss"] = validation_losses(folder).get(record["step"])
+    return metrics, None, seconds
 
 
 def run_reference(folder: Path, global_batch: int, steps: int) -> list[dict]:
@@ -136,6 +153,11 @@ def run_layout(layout: Layout, folder: Path, steps: int, reference: list[dict]) 
     result.max_loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(reference, metrics))
     result.max_grad_norm_diff = max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(reference, metrics))
     result.step1_loss_diff = abs(reference[0]["loss"] - metrics[0]["loss"])
+    validated = [(a["validation_loss"], b["validation_loss"]) for a, b in zip(reference, metrics)]
+    if not any(a is not None for a, _ in validated) or any((a is None) != (b is None) for a, b in validated):
+        result.error = "validated steps differ from the reference"
+        return result
+    result.max_validation_diff = max(abs(a - b) for a, b in validated if a is not None)
     return result
 
 
@@ -153,7 +175,9 @@ def run_matrix(layouts: list[Layout], folder: Path, steps: int) -> list[Result]:
 
 
 def format_table(results: list[Result], tol: float) -> str:
-    rows = [("layout", "procs", "max |dloss|", "max |dgrad_norm|", "step-1 |dloss|", "time", "")]
+    rows = [
+        ("layout", "procs", "max |dloss|", "max |dgrad_norm|", "step-1 |dloss|", "max |dval|", "time", "")
+    ]
     for r in results:
         status = "ok" if r.ok(tol) else f"FAIL {r.error or ''}".strip()
         rows.append(
@@ -163,6 +187,7 @@ def format_table(results: list[Result], tol: float) -> str:
                 f"{r.max_loss_diff:.2e}",
                 f"{r.max_grad_norm_diff:.2e}",
                 f"{r.step1_loss_diff:.2e}",
+                f"{r.max_validation_diff:.2e}",
                 f"{r.seconds:.0f}s",
                 status,
             )

@@ -3,10 +3,11 @@
     python scripts/plot_metrics.py RUN_DIR [RUN_DIR ...] -o plot.png
     python scripts/plot_metrics.py --compare RUN_A RUN_B [--tol 1e-5]
 
-The plot overlays the runs' loss, gradient norm, tokens/s and memory against the step. The
-comparison prints the loss of every step both runs logged and exits with 1 when they differ by
-more than the tolerance (or log different steps), so a script can check that a change of layout
-or code leaves training unchanged. A run directory may also be given as its metrics.jsonl.
+The plot overlays the runs' loss (the validation loss dashed, where [validation] was on), gradient
+norm, tokens/s and memory against the step. The comparison prints the training and validation loss
+of every step both runs logged and exits with 1 when they differ by more than the tolerance (or log
+different steps), so a script can check that a change of layout or code leaves training unchanged.
+A run directory may also be given as its metrics.jsonl.
 """
 
 import argparse
@@ -29,8 +30,8 @@ class MetricsError(ValueError):
 
 
 def load_metrics(run: str) -> dict[int, dict]:
-    """Records by step. A resumed run appends to the file, so a step logged twice keeps its latest
-    record: the one the resumed run wrote."""
+    """Records by step, a step's training and validation records merged. A resumed run appends to
+    the file, so a step logged twice keeps its latest values: the ones the resumed run wrote."""
     path = Path(run)
     if path.is_dir():
         path = path / "metrics.jsonl"
@@ -43,7 +44,7 @@ def load_metrics(run: str) -> dict[int, dict]:
                 continue
             try:
                 record = json.loads(line)
-                records[int(record["step"])] = record
+                records.setdefault(int(record["step"]), {}).update(record)
             except (ValueError, KeyError, TypeError) as e:
                 raise MetricsError(f"{path}, line {line_no}: not a metrics record ({e})") from None
     if not records:
@@ -62,7 +63,18 @@ def run_labels(runs: list[str]) -> list[str]:
     return list(runs)
 
 
-def plot(runs: list[str], output: str) -> None:
+def draw(ax, records: dict[int, dict], key: str, label: str, color: str | None = None, style: str = "-"):
+    """One run's curve of `key` (the line drawn, or None when the run never logged it)."""
+    points = [(s, r[key]) for s, r in records.items() if r.get(key) is not None]
+    if not points:
+        return None
+    steps, values = zip(*points)
+    marker = "." if len(steps) < 50 else None
+    return ax.plot(steps, values, style, color=color, marker=marker, label=label, linewidth=1.5)[0]
+
+
+def plot(runs: list[str], output: str):
+    """Write the figure to `output`; returns it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -72,10 +84,9 @@ def plot(runs: list[str], output: str) -> None:
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True, constrained_layout=True)
     for (key, title), ax in zip(PANELS, axes.flat):
         for label, records in zip(run_labels(runs), metrics):
-            points = [(s, r[key]) for s, r in records.items() if r.get(key) is not None]
-            if points:
-                steps, values = zip(*points)
-                ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=label, linewidth=1.5)
+            line = draw(ax, records, key, label)
+            if key == "loss" and line is not None:
+                draw(ax, records, "validation_loss", f"{label} (validation)", line.get_color(), "--")
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
         ax.ticklabel_format(axis="y", style="plain", useOffset=False)
@@ -84,37 +95,49 @@ def plot(runs: list[str], output: str) -> None:
     axes[0][0].legend(fontsize="small")
     fig.savefig(output, dpi=120)
     print(f"wrote {output}")
+    return fig
 
 
-def compare(run_a: str, run_b: str, tol: float) -> bool:
-    """Print the per-step loss difference; True when every common step is within `tol` and both
-    runs logged the same steps."""
-    a, b = load_metrics(run_a), load_metrics(run_b)
+def compare_key(a: dict[int, dict], b: dict[int, dict], key: str, tol: float) -> tuple[bool, str]:
+    """Print `key` at every step both runs logged it; (whether it agrees, the verdict's detail)."""
+    a = {step: r[key] for step, r in a.items() if r.get(key) is not None}
+    b = {step: r[key] for step, r in b.items() if r.get(key) is not None}
+    if not a and not b:
+        return True, ""
     common = sorted(a.keys() & b.keys())
-    print(f"{'step':>6}  {'loss A':>12}  {'loss B':>12}  {'|A - B|':>10}")
+    print(f"{'step':>6}  {key + ' A':>18}  {key + ' B':>18}  {'|A - B|':>10}")
     worst_step, worst = None, 0.0
     for step in common:
-        diff = abs(a[step]["loss"] - b[step]["loss"])
+        diff = abs(a[step] - b[step])
         if math.isnan(diff):
-            diff = 0.0 if math.isnan(a[step]["loss"]) and math.isnan(b[step]["loss"]) else math.inf
+            diff = 0.0 if math.isnan(a[step]) and math.isnan(b[step]) else math.inf
         flag = "  <- over tolerance" if diff > tol else ""
-        print(f"{step:>6}  {a[step]['loss']:>12.6f}  {b[step]['loss']:>12.6f}  {diff:>10.3e}{flag}")
+        print(f"{step:>6}  {a[step]:>18.6f}  {b[step]:>18.6f}  {diff:>10.3e}{flag}")
         if worst_step is None or diff > worst:
             worst_step, worst = step, diff
     only = {"A": sorted(a.keys() - b.keys()), "B": sorted(b.keys() - a.keys())}
     for name, steps in only.items():
         if steps:
-            print(f"steps logged only by {name}: {steps}")
+            print(f"steps with {key} only in {name}: {steps}")
     if not common:
-        print("FAIL: no step was logged by both runs")
-        return False
+        return False, f"no step has {key} in both runs"
     if worst > tol:
-        print(f"FAIL: loss differs by {worst:.3e} at step {worst_step}, over the tolerance {tol:g}")
-        return False
+        return False, f"{key} differs by {worst:.3e} at step {worst_step}, over the tolerance {tol:g}"
     if only["A"] or only["B"]:
-        print("FAIL: the runs logged different steps")
+        return False, f"the runs logged {key} at different steps"
+    return True, f"largest {key} difference {worst:.3e} (step {worst_step})"
+
+
+def compare(run_a: str, run_b: str, tol: float) -> bool:
+    """Print the per-step training and validation loss differences; True when every common step is
+    within `tol` and both runs logged the same steps."""
+    a, b = load_metrics(run_a), load_metrics(run_b)
+    verdicts = [compare_key(a, b, key, tol) for key in ("loss", "validation_loss")]
+    failed = [detail for ok, detail in verdicts if not ok]
+    if failed:
+        print(f"FAIL: {'; '.join(failed)}")
         return False
-    print(f"OK: largest loss difference {worst:.3e} (step {worst_step}), within the tolerance {tol:g}")
+    print(f"OK: {'; '.join(detail for _, detail in verdicts if detail)}, within the tolerance {tol:g}")
     return True
 
 

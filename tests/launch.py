@@ -29,7 +29,11 @@ TINY_JOB = [
     "float32",
     "--training.mixed_precision_reduce",
     "float32",
+    "--validation.enable",
+    "false",
 ]
+# Validation at steps 5 and 10 on 2 global batches of 4 sequences (per-rank batch: 4 // DP degree).
+VALIDATION = ["--validation.enable", "true", "--validation.freq", "5", "--validation.steps", "2"]
 
 
 def run_train_in_process(*argv: str) -> int:
@@ -65,9 +69,18 @@ def run_train(nproc: int, dump_folder: Path, *args: str, timeout: int = 300) -> 
     return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
 
 
-def read_metrics(dump_folder: Path) -> list[dict]:
+def read_records(dump_folder: Path) -> list[dict]:
     with open(dump_folder / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]
+
+
+def read_metrics(dump_folder: Path) -> list[dict]:
+    """The training steps' records."""
+    return [record for record in read_records(dump_folder) if "loss" in record]
+
+
+def validation_losses(dump_folder: Path) -> dict[int, float]:
+    return {r["step"]: r["validation_loss"] for r in read_records(dump_folder) if "validation_loss" in r}
 
 
 def losses(dump_folder: Path) -> dict[int, float]:

@@ -94,6 +94,11 @@ def with_file(option: str, name: str, content: bytes | None):
     return argv
 
 
+def validation(make):
+    """The same arguments with validation on."""
+    return lambda tmp, dump, trained: ["--validation.enable", "true", *make(tmp, dump, trained)]
+
+
 def empty_folder(option: str):
     def argv(tmp, dump, trained):
         (tmp / "empty").mkdir()
@@ -221,6 +226,34 @@ CASES = [
         "training.dataset: Unknown dataset 'wikipedia'",
     ),
     Case("unknown flavor", args("--model.flavor", "3B"), "model.flavor: llama3 has no flavor '3B'"),
+    # Validation data (checked before the first training step)
+    Case(
+        "missing validation dataset",
+        validation(with_file("--validation.dataset_path", "held_out.jsonl", None)),
+        "validation.dataset_path: ",
+    ),
+    Case(
+        "empty validation dataset",
+        validation(with_file("--validation.dataset_path", "held_out.jsonl", b"")),
+        "validation.dataset_path: ",
+    ),
+    Case(
+        "validation dataset without text",
+        validation(with_file("--validation.dataset_path", "held_out.jsonl", b'{"content": "a"}\n' * 8)),
+        "validation.dataset_path: Dataset 'kjv_validation' has no 'text' field (columns: content)",
+    ),
+    Case(
+        "validation dataset too small",
+        validation(
+            with_file("--validation.dataset_path", "held_out.jsonl", b'{"text": "In the beginning"}\n' * 8)
+        ),
+        "validation.dataset_path: ",
+    ),
+    Case(
+        "unknown validation dataset",
+        validation(args("--validation.dataset", "wikipedia")),
+        "validation.dataset: Unknown dataset 'wikipedia'",
+    ),
     # Parallel degrees against the world size
     Case(
         "degrees vs world size",

@@ -41,6 +41,9 @@ SEED = 3
 # Impossible layouts fail before any work, through train.py's own path (in-process)
 
 
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+
+
 @pytest.mark.parametrize(
     "world_size, argv, message",
     [
@@ -86,6 +89,35 @@ SEED = 3
             1,
             ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "x"],
             "activation_checkpoint.selective_ac_option: expected 'op' or a positive integer, got 'x'",
+        ),
+        (
+            2,
+            [
+                *PP2,
+                "--parallelism.pipeline_parallel_schedule",
+                "ZBVZeroBubble",
+                "--validation.enable",
+                "true",
+            ],
+            "validation.enable: torch's pipeline evaluation (schedule.eval) cannot run ZBVZeroBubble",
+        ),
+        (
+            2,
+            [
+                *PP2,
+                "--validation.enable",
+                "true",
+                "--validation.batch_size",
+                "2",
+                "--training.batch_size",
+                "4",
+            ],
+            "validation.batch_size: 2 differs from training.batch_size 4",
+        ),
+        (
+            1,
+            ["--validation.steps", "0"],
+            "validation.steps: 0 evaluates nothing; use -1 or a positive number",
         ),
     ],
 )

@@ -48,4 +48,5 @@ def test_layout_matches_single_process(layout, references, tmp_path):
     result = run_layout(layout, tmp_path, STEPS, references(layout.global_batch))
     assert result.error is None, result.error
     assert result.max_loss_diff <= TOL and result.max_grad_norm_diff <= TOL, result
+    assert result.max_validation_diff <= TOL, result
     assert result.step1_loss_diff <= 1e-6, result  # the same init and data: at most float rounding

@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 import torch
-from launch import read_metrics, run_train
+from launch import VALIDATION, read_metrics, run_train, validation_losses
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from torchtitan.checkpoint import merge_model_parts
@@ -205,17 +205,25 @@ def check(result):
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory):
     folder = tmp_path_factory.mktemp("single")
-    check(run_train(1, folder, "--training.batch_size", "4"))
-    return read_metrics(folder)
+    check(run_train(1, folder, "--training.batch_size", "4", *VALIDATION))
+    return read_metrics(folder), validation_losses(folder)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_pipeline_matches_single_process(tmp_path, single_process, layout):
-    """Per-step losses and gradient norms (clipping included) equal those of 1 process."""
+    """Per-step losses and gradient norms (clipping included) equal those of 1 process, and so do the
+    validation losses (forward only, through the schedule's evaluation)."""
     nproc, batch, overrides = LAYOUTS[layout]
     args = ["--training.batch_size", str(batch), "--parallelism.pipeline_parallel_degree", "2", *overrides]
-    check(run_train(nproc, tmp_path, *args))
+    validated = layout not in ("zbv_zero_bubble", "dual_pipe_v")  # torch cannot evaluate V schedules
+    check(run_train(nproc, tmp_path, *args, *(VALIDATION if validated else [])))
+    single_process, single_validation = single_process
     pipelined = read_metrics(tmp_path)
+    if validated:
+        validation = validation_losses(tmp_path)
+        assert sorted(validation) == [5, 10]
+        for step, loss in single_validation.items():
+            assert abs(loss - validation[step]) < 1e-5, (step, loss, validation[step])
     assert [m["step"] for m in pipelined] == list(range(1, 11))
     assert abs(single_process[0]["loss"] - pipelined[0]["loss"]) < 1e-6
     for a, b in zip(single_process, pipelined, strict=True):

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from launch import ROOT, run_train
+from launch import ROOT, VALIDATION, run_train
 
 
 def load_script(name: str):
@@ -31,10 +31,10 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Two 6-step runs of the tiny job that differ in learning rate only. The first saves a full
-    checkpoint at step 3 and, at step 6, a bfloat16 weights-only export."""
+    """Two 6-step runs of the tiny job that differ in learning rate only, validated at steps 3 and 6.
+    The first saves a full checkpoint at step 3 and, at step 6, a bfloat16 weights-only export."""
     base = tmp_path_factory.mktemp("runs")
-    common = ["--training.steps", "6", "--training.batch_size", "2"]
+    common = ["--training.steps", "6", "--training.batch_size", "2", *VALIDATION, "--validation.freq", "3"]
     first = run_train(
         1,
         base / "a",
@@ -62,6 +62,14 @@ def test_plot_overlays_runs_in_one_png(runs, tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     height, width, _ = matplotlib.image.imread(out).shape
     assert (width, height) == (1440, 960)
+    loss_panel = plot_metrics.plot([str(runs[0]), str(runs[1])], str(out)).axes[0]
+    curves = {line.get_label(): line.get_xdata().tolist() for line in loss_panel.get_lines()}
+    assert curves == {
+        "a": list(range(1, 7)),
+        "b": list(range(1, 7)),
+        "a (validation)": [3, 6],
+        "b (validation)": [3, 6],
+    }
     assert plot_metrics.run_labels([str(runs[0]), str(runs[1] / "metrics.jsonl")]) == ["a", "b"]
 
 
@@ -71,7 +79,10 @@ def test_compare_passes_on_equal_losses_and_fails_on_a_difference(runs, tmp_path
     copy.mkdir()
     shutil.copy(runs[0] / "metrics.jsonl", copy)
     assert plot_metrics.main(["--compare", a, str(copy)]) == 0
-    assert "OK: largest loss difference 0.000e+00" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert (
+        "OK: largest loss difference 0.000e+00 (step 6); largest validation_loss difference 0.000e+00" in out
+    )
 
     assert plot_metrics.main(["--compare", a, b]) == 1  # another learning rate
     assert "FAIL: loss differs by" in capsys.readouterr().out
@@ -83,6 +94,13 @@ def test_compare_passes_on_equal_losses_and_fails_on_a_difference(runs, tmp_path
     out = capsys.readouterr().out
     assert f"FAIL: loss differs by 3.000e-05 at step {records[3]['step']}" in out
     assert plot_metrics.main(["--compare", a, str(copy), "--tol", "1e-4"]) == 0
+    validation = next(r for r in records if "validation_loss" in r)
+    validation["validation_loss"] += 1e-3
+    (copy / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert plot_metrics.main(["--compare", a, str(copy), "--tol", "1e-4"]) == 1
+    assert (
+        f"FAIL: validation_loss differs by 1.000e-03 at step {validation['step']}" in capsys.readouterr().out
+    )
 
 
 def test_compare_and_plot_report_a_missing_run(tmp_path, capsys):

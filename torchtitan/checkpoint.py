@@ -159,6 +159,81 @@ def _flat_keys(state: dict[str, Any], prefix: str) -> list[str]:
     return keys
 
 
+def load_states(states: dict[str, Stateful], path: str, parts: list[str]) -> None:
+    """Load `parts` (keys of `states`) from the checkpoint at `path`, through the safe reader; what does
+    not fit this run (shapes, missing parts, another data layout) is a one-line ConfigError."""
+    saved = saved_entries(path)
+    if "model" in parts:
+        _check_model_shapes(states["model"], path, saved)
+    if "rng" in parts:
+        rng = states["rng"].state_dict()
+        if not {f"rng.{rank}.{name}" for rank, states in rng.items() for name in states} <= saved.keys():
+            logger.info(f"{path} has no RNG state for this rank and device: keeping the seeded ones")
+            parts.remove("rng")
+    missing = [part for part in parts if not any(key.startswith(part + ".") for key in saved)]
+    if missing:
+        raise ConfigError(
+            f"checkpoint: {path} has no {', '.join(missing)} state (a model_weights_only export?); "
+            "start from it with checkpoint.initial_load_path, or set checkpoint.exclude_from_loading"
+        )
+    if "dataloader" in parts:
+        _check_dataloader_keys(states["dataloader"], path, saved)
+    logger.info(f"Loading {', '.join(parts)} from {path}")
+    try:
+        dcp.load(
+            {part: states[part] for part in parts},
+            storage_reader=SafeReader(path),  # runs no code from the files (reliability/safe_dcp.py)
+            planner=SafeLoadPlanner(),
+        )
+    except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException
+        raise ConfigError(
+            f"checkpoint: cannot load {path} ({str(e).strip().splitlines()[-1]}); it may come from a "
+            "different model or layout: point job.dump_folder elsewhere or move the folder away"
+        ) from e
+
+
+def _check_dataloader_keys(dataloader: Stateful, path: str, saved: dict[str, Any]) -> None:
+    """DCP asks for the keys of this run's data loader state; the data streams are keyed by the global
+    batch size, so another global batch size (or an older loader) leaves keys missing: say so in one
+    line rather than DCP's 'missing key'."""
+    missing = [key for key in _flat_keys(dataloader.state_dict(), "dataloader") if key not in saved]
+    if missing:
+        raise ConfigError(
+            f"checkpoint: {path} has no {missing[0]}: its data loader state was saved for another "
+            "global batch size or by an older data loader, and the data streams depend on the global "
+            "batch size; keep the saved global batch size, or start the data afresh with "
+            "--checkpoint.exclude_from_loading dataloader"
+        )
+
+
+def _check_model_shapes(model_state: Stateful, path: str, saved: dict[str, Any]) -> None:
+    """Compare the parameters of the whole model (pipeline stages hold different ones, so gather
+    them) with the checkpoint's, so that a mismatch is one clear line, the same on every rank."""
+    shapes = {f"model.{fqn}": tuple(t.shape) for fqn, t in model_state.state_dict().items()}
+    if dist.is_initialized():
+        gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, shapes)
+        shapes = {key: shape for rank_shapes in gathered for key, shape in rank_shapes.items()}
+    hint = "was it saved with another model.flavor or tokenizer?"
+    for key, shape in shapes.items():
+        entry = saved.get(key)
+        if not isinstance(entry, TensorStorageMetadata):
+            raise ConfigError(f"checkpoint: {path} has no parameter {key[6:]}; {hint}")
+        if tuple(entry.size) != shape:
+            raise ConfigError(
+                f"checkpoint: {path} holds {key[6:]} with shape {tuple(entry.size)} but the model's "
+                f"is {shape}; {hint}"
+            )
+    extra = [key for key in saved if key.startswith("model.") and key not in shapes]
+    if extra:
+        raise ConfigError(f"checkpoint: {path} holds {extra[0][6:]}, which the model lacks; {hint}")
+
+
+def load_model_weights(model_parts: list[nn.Module], path: str) -> None:
+    """The model weights of the checkpoint at `path` into this rank's parts, whatever the layout."""
+    load_states({"model": ModelState(merge_model_parts(model_parts))}, path, ["model"])
+
+
 def _fsync_dir(path: str) -> None:
     """Make a rename in `path` durable."""
     fd = os.open(path, os.O_RDONLY)
@@ -240,11 +315,11 @@ class CheckpointManager:
             step = self._step_to_load(list_checkpoints(self.folder))
         if step is not None:
             parts = [part for part in self.states if part not in self.checkpoint_config.exclude_from_loading]
-            self._load(self._path(step), parts)
+            load_states(self.states, self._path(step), parts)
             return step
         if self.checkpoint_config.initial_load_path is not None:
             check_initial_load_path(self.checkpoint_config)
-            self._load(self.checkpoint_config.initial_load_path, ["model"])
+            load_states(self.states, self.checkpoint_config.initial_load_path, ["model"])
         return None
 
     def _remove_leftovers(self) -> None:
@@ -267,75 +342,6 @@ class CheckpointManager:
                 return step
             logger.info(f"Not resuming from {self._path(step)}: it holds model weights only")
         return None
-
-    def _load(self, path: str, parts: list[str]) -> None:
-        saved = saved_entries(path)
-        if "model" in parts:
-            self._check_model_shapes(path, saved)
-        if "rng" in parts:
-            rng = self.states["rng"].state_dict()
-            if not {f"rng.{rank}.{name}" for rank, states in rng.items() for name in states} <= saved.keys():
-                logger.info(f"{path} has no RNG state for this rank and device: keeping the seeded ones")
-                parts.remove("rng")
-        missing = [part for part in parts if not any(key.startswith(part + ".") for key in saved)]
-        if missing:
-            raise ConfigError(
-                f"checkpoint: {path} has no {', '.join(missing)} state (a model_weights_only export?); "
-                "start from it with checkpoint.initial_load_path, or set checkpoint.exclude_from_loading"
-            )
-        if "dataloader" in parts:
-            self._check_dataloader_keys(path, saved)
-        logger.info(f"Loading {', '.join(parts)} from {path}")
-        try:
-            dcp.load(
-                {part: self.states[part] for part in parts},
-                storage_reader=SafeReader(path),  # runs no code from the files (reliability/safe_dcp.py)
-                planner=SafeLoadPlanner(),
-            )
-        except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException
-            raise ConfigError(
-                f"checkpoint: cannot load {path} ({str(e).strip().splitlines()[-1]}); it may come from a "
-                "different model or layout: point job.dump_folder elsewhere or move the folder away"
-            ) from e
-
-    def _check_dataloader_keys(self, path: str, saved: dict[str, Any]) -> None:
-        """DCP asks for the keys of this run's data loader state; the data streams are keyed by the global
-        batch size, so another global batch size (or an older loader) leaves keys missing: say so in one
-        line rather than DCP's 'missing key'."""
-        missing = [
-            key
-            for key in _flat_keys(self.states["dataloader"].state_dict(), "dataloader")
-            if key not in saved
-        ]
-        if missing:
-            raise ConfigError(
-                f"checkpoint: {path} has no {missing[0]}: its data loader state was saved for another "
-                "global batch size or by an older data loader, and the data streams depend on the global "
-                "batch size; keep the saved global batch size, or start the data afresh with "
-                "--checkpoint.exclude_from_loading dataloader"
-            )
-
-    def _check_model_shapes(self, path: str, saved: dict[str, Any]) -> None:
-        """Compare the parameters of the whole model (pipeline stages hold different ones, so gather
-        them) with the checkpoint's, so that a mismatch is one clear line, the same on every rank."""
-        shapes = {f"model.{fqn}": tuple(t.shape) for fqn, t in self.states["model"].state_dict().items()}
-        if dist.is_initialized():
-            gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
-            dist.all_gather_object(gathered, shapes)
-            shapes = {key: shape for rank_shapes in gathered for key, shape in rank_shapes.items()}
-        hint = "was it saved with another model.flavor or tokenizer?"
-        for key, shape in shapes.items():
-            entry = saved.get(key)
-            if not isinstance(entry, TensorStorageMetadata):
-                raise ConfigError(f"checkpoint: {path} has no parameter {key[6:]}; {hint}")
-            if tuple(entry.size) != shape:
-                raise ConfigError(
-                    f"checkpoint: {path} holds {key[6:]} with shape {tuple(entry.size)} but the model's "
-                    f"is {shape}; {hint}"
-                )
-        extra = [key for key in saved if key.startswith("model.") and key not in shapes]
-        if extra:
-            raise ConfigError(f"checkpoint: {path} holds {extra[0][6:]}, which the model lacks; {hint}")
 
     def maybe_save(
         self, step: int, last_step: bool, force: bool = False, before_save: Callable[[], None] | None = None

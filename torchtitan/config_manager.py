@@ -126,6 +126,25 @@ class TrainingConfig:
 
 
 @dataclass
+class ValidationConfig:
+    enable: bool = opt(False, "Evaluate the loss on held-out data every `freq` steps and at the last step")
+    dataset: str = opt(
+        "kjv_validation", "Named dataset to evaluate on (kjv_validation: the bundled held-out split)"
+    )
+    dataset_path: str | None = opt(
+        None,
+        "Local file or folder (txt/json/jsonl/parquet; a folder's validation split) overriding the dataset",
+    )
+    freq: int = opt(100, "Evaluate every N steps (and at the last step)", min=1)
+    steps: int = opt(
+        -1,
+        "Global batches per evaluation; -1: the whole dataset once (its incomplete last batch left out)",
+        min=-1,
+    )
+    batch_size: int = opt(-1, "Per-rank batch size (sequences); -1: training.batch_size", min=-1)
+
+
+@dataclass
 class ParallelismConfig:
     data_parallel_shard_degree: int = opt(
         -1, "FSDP degree; -1 uses all ranks left by the other degrees", min=-1
@@ -264,6 +283,7 @@ class JobConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

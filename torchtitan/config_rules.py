@@ -9,7 +9,12 @@ from torchtitan.config_manager import ConfigError, JobConfig, LRSchedulerConfig,
 from torchtitan.models import flavor_args
 from torchtitan.models.llama import ModelArgs
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.pipeline_layout import SPLIT_BACKWARD_SCHEDULES, num_microbatches, stage_layers
+from torchtitan.parallelisms.pipeline_layout import (
+    SPLIT_BACKWARD_SCHEDULES,
+    V_SCHEDULES,
+    num_microbatches,
+    stage_layers,
+)
 
 
 def parallel_dims_of(job_config: JobConfig, world_size: int) -> ParallelDims:
@@ -78,6 +83,26 @@ def check_pipeline(job_config: JobConfig, n_layers: int) -> None:
     num_microbatches(job_config, len(stage_layers(job_config, n_layers)))
 
 
+def check_validation(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
+    """Pipeline stages run the training batch's micro-batch shape, and V schedules cannot evaluate."""
+    validation = job_config.validation
+    for option in ("steps", "batch_size"):
+        if getattr(validation, option) == 0:
+            raise ConfigError(f"validation.{option}: 0 evaluates nothing; use -1 or a positive number")
+    schedule = job_config.parallelism.pipeline_parallel_schedule
+    if validation.enable and parallel_dims.pp_enabled and schedule in V_SCHEDULES:
+        raise ConfigError(
+            f"validation.enable: torch's pipeline evaluation (schedule.eval) cannot run {schedule} "
+            "(its V-shaped stages expect a backward); pick another schedule or set validation.enable = false"
+        )
+    batch_size, training_batch_size = validation.batch_size, job_config.training.batch_size
+    if validation.enable and parallel_dims.pp_enabled and batch_size not in (-1, training_batch_size):
+        raise ConfigError(
+            f"validation.batch_size: {batch_size} differs from training.batch_size {training_batch_size}, "
+            "and pipeline stages run one micro-batch shape; set it to -1 with pipeline parallelism"
+        )
+
+
 def check_lr_schedule(lr_scheduler_config: LRSchedulerConfig, total_steps: int) -> None:
     decay_ratio = lr_scheduler_config.decay_ratio
     if decay_ratio is None:
@@ -117,6 +142,7 @@ def check_layout(job_config: JobConfig, world_size: int, device_type: str | None
     if parallel_dims.pp_enabled:
         check_pipeline(job_config, model_args.n_layers)
     gradient_accumulation_steps(job_config.training, parallel_dims)
+    check_validation(job_config, parallel_dims)
     check_lr_schedule(job_config.lr_scheduler, job_config.training.steps)
     if device_type is not None:
         check_device(job_config, parallel_dims, device_type)

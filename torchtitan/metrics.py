@@ -187,6 +187,28 @@ class MetricLogger:
                 {k: v for k, v in record.items() if v is not None and k != "step"}, step=record["step"]
             )
 
+    def log_validation(self, step: int, loss: float, perplexity: float, tokens: int, seconds: float) -> None:
+        """Log an evaluation's result and leave its time out of the training window (tokens/s, MFU)."""
+        self._window_start += seconds
+        if not self.is_logging_rank:
+            return
+        logger.info(
+            f"{self.c.green}validate step {step}: loss {loss:.4f}  perplexity {perplexity:.2f}  "
+            f"({tokens:,} tokens, {seconds:.1f} s){self.c.reset}"
+        )
+        record = {
+            "step": step,
+            "validation_loss": loss,
+            "validation_perplexity": perplexity,
+            "validation_tokens": tokens,
+            "validation_time": seconds,
+            "time": time.time(),
+        }
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.wandb is not None:
+            self.wandb.log({"validation/loss": loss, "validation/perplexity": perplexity}, step=step)
+
     def close(self) -> None:
         if self.jsonl is not None:
             self.jsonl.close()

@@ -7,13 +7,14 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
-from torchtitan.config_manager import TrainingConfig
+from torchtitan.config_manager import JobConfig, TrainingConfig
 from torchtitan.config_rules import gradient_accumulation_steps
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.parallelize_llama import DTYPES, set_grad_all_reduce
-from torchtitan.parallelisms.pipeline_llama import Pipeline
+from torchtitan.parallelisms.parallelize_llama import DTYPES, parallelize_llama, set_grad_all_reduce
+from torchtitan.parallelisms.pipeline_llama import Pipeline, pipeline_llama
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids, labels), both (batch, seq_len)
 
@@ -21,6 +22,21 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids, labels), both (batch, s
 def loss_fn(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross entropy over the tokens of a batch (or of a pipeline micro-batch)."""
     return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten())
+
+
+def parallelize_model(
+    model: nn.Module,
+    world_mesh: DeviceMesh | None,
+    parallel_dims: ParallelDims,
+    job_config: JobConfig,
+    device: torch.device,
+) -> tuple[list[nn.Module], Pipeline | None]:
+    """The modules this rank runs (its pipeline stages, or the whole model), parallelized, and its
+    pipeline (None without PP); still on the meta device."""
+    if parallel_dims.pp_enabled:
+        pipeline, model_parts = pipeline_llama(model, world_mesh, parallel_dims, job_config, device, loss_fn)
+        return model_parts, pipeline
+    return [parallelize_llama(model, world_mesh, parallel_dims, job_config)], None
 
 
 class TrainStep:
@@ -62,9 +78,7 @@ class TrainStep:
         microbatches = microbatches or self.grad_accum_steps
         losses = []
         for microbatch in range(microbatches):
-            inputs, labels = next(batches)
-            inputs = inputs.to(self.device, non_blocking=True)
-            labels = labels.to(self.device, non_blocking=True)
+            inputs, labels = self._on_device(next(batches))
             for part in self.model_parts:
                 set_grad_all_reduce(part, microbatch == microbatches - 1)
             with self.loss_context():
@@ -74,6 +88,10 @@ class TrainStep:
                     loss = self._pipeline_forward_backward(inputs, labels)
             losses.append(loss.detach())
         return torch.stack(losses).mean()
+
+    def _on_device(self, batch: Batch) -> Batch:
+        inputs, labels = batch
+        return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
 
     def _model_forward_backward(
         self, inputs: torch.Tensor, labels: torch.Tensor, microbatches: int
@@ -94,4 +112,31 @@ class TrainStep:
                 pipeline.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
             else:
                 pipeline.schedule.step(target=targets, losses=losses, return_outputs=False)
+        return torch.stack(losses).mean() if pipeline.has_last_stage else torch.zeros((), device=self.device)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterator[Batch]) -> tuple[torch.Tensor, int]:
+        """Forward only (no activation recompute: nothing is kept for a backward), in eval mode, the
+        training mode restored after: the sum of the batches' mean losses (0 on pipeline ranks without
+        the last stage) and how many batches there were."""
+        modes = [part.training for part in self.model_parts]
+        for part in self.model_parts:
+            part.eval()
+        losses = []
+        for batch in batches:
+            with self.loss_context(), self.autocast:
+                losses.append(self._forward_loss(*self._on_device(batch)))
+        for part, mode in zip(self.model_parts, modes):
+            part.train(mode)
+        return torch.stack(losses).sum(), len(losses)
+
+    def _forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.pipeline is None:
+            return self.loss_fn(self.model_parts[0](inputs), labels)
+        pipeline, losses = self.pipeline, []
+        targets = labels if pipeline.has_last_stage else None
+        if pipeline.has_first_stage:
+            pipeline.schedule.eval(inputs, target=targets, losses=losses, return_outputs=False)
+        else:
+            pipeline.schedule.eval(target=targets, losses=losses, return_outputs=False)
         return torch.stack(losses).mean() if pipeline.has_last_stage else torch.zeros((), device=self.device)

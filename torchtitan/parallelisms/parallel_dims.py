@@ -14,6 +14,20 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class Meshes:
+    """The device meshes a rank trains on: all ranks, the data-parallel ranks it shares batches with
+    (None without data parallelism), and its pipeline (None without PP)."""
+
+    world: DeviceMesh | None
+    dp: DeviceMesh | None
+    pp: DeviceMesh | None
+
+    @property
+    def dp_degree_and_rank(self) -> tuple[int, int]:
+        return (self.dp.size(), self.dp.get_local_rank()) if self.dp is not None else (1, 0)
+
+
+@dataclass
 class ParallelDims:
     dp_shard: int
     world_size: int
@@ -100,6 +114,17 @@ class ParallelDims:
         if len(dp_names) == 2:
             mesh[tuple(dp_names)]._flatten("dp")
         return mesh
+
+    def build_meshes(self, device_type: str) -> Meshes:
+        """The world mesh (None on one process) and its data-parallel and pipeline dimensions."""
+        if self.world_size == 1:
+            return Meshes(None, None, None)
+        world = self.build_mesh(device_type)
+        return Meshes(
+            world,
+            world[self.dp_mesh_name()] if self.dp_enabled else None,
+            world["pp"] if self.pp_enabled else None,
+        )
 
     def dp_mesh_name(self) -> str:
         """The mesh dimension that spans all data-parallel ranks."""

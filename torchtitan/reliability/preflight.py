@@ -20,7 +20,9 @@ def check_job(job_config: JobConfig, world_size: int | None) -> None:
     a checkpoint step that does not exist."""
     _check_file("model.tokenizer_path", job_config.model.tokenizer_path)
     if job_config.training.dataset_path is not None:
-        _check_dataset_path(job_config.training.dataset_path)
+        _check_dataset_path("training.dataset_path", job_config.training.dataset_path)
+    if job_config.validation.enable and job_config.validation.dataset_path is not None:
+        _check_dataset_path("validation.dataset_path", job_config.validation.dataset_path)
     flavor_args(job_config.model)
     check_lr_schedule(job_config.lr_scheduler, job_config.training.steps)
     if world_size is not None:
@@ -38,17 +40,17 @@ def _check_file(option: str, path: str) -> None:
         raise ConfigError(f"{option}: {path} is empty; set {option} to a complete file")
 
 
-def _check_dataset_path(path: str) -> None:
+def _check_dataset_path(option: str, path: str) -> None:
     resolved = resolve_path(path)
     if not os.path.exists(resolved):
         raise ConfigError(
-            f"training.dataset_path: {path} does not exist (relative paths are tried from the current "
+            f"{option}: {path} does not exist (relative paths are tried from the current "
             "folder, then from the repository); set it to a .txt/.json/.jsonl/.parquet file or a folder"
         )
     if os.path.isfile(resolved) and os.path.getsize(resolved) == 0:
-        raise ConfigError(f"training.dataset_path: {path} is empty; point it at a file with text in it")
+        raise ConfigError(f"{option}: {path} is empty; point it at a file with text in it")
     if os.path.isdir(resolved) and not any(files for _, _, files in os.walk(resolved)):
-        raise ConfigError(f"training.dataset_path: the folder {path} holds no files; point it at your data")
+        raise ConfigError(f"{option}: the folder {path} holds no files; point it at your data")
 
 
 def _check_writable_folder(option: str, folder: str) -> None:

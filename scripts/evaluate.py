@@ -1,0 +1,69 @@
+"""Print a checkpoint's held-out loss and perplexity, on any number of processes and any layout.
+
+    python scripts/evaluate.py --job.config_file F --job.dump_folder D [--checkpoint.load_step N |
+        --checkpoint.initial_load_path P] [--validation.dataset_path ...] [--section.key VALUE ...]
+    torchrun --nproc_per_node 4 scripts/evaluate.py ... --parallelism.tensor_parallel_degree 2
+
+The model and the data come from the run's own options, as train.py reads them: the checkpoint is
+checkpoint.load_step's, else the newest in {dump_folder}/{checkpoint.folder} (weights-only exports
+included), else checkpoint.initial_load_path (e.g. a model converted by convert_hf_to_dcp.py); the
+data is the [validation] section's (validation.steps global batches of validation.batch_size per
+rank, -1: the whole split), whether or not validation.enable is set. The weights are read through the
+safe reader. Exit codes and one-line errors are train.py's.
+"""
+
+import os
+import sys
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from torchtitan.checkpoint import load_model_weights  # noqa: E402
+from torchtitan.checkpoint_folder import latest_checkpoint_path  # noqa: E402
+from torchtitan.config_manager import JobConfig, resolve_path  # noqa: E402
+from torchtitan.config_rules import check_layout  # noqa: E402
+from torchtitan.datasets.tokenizer import Tokenizer  # noqa: E402
+from torchtitan.distributed import init_distributed  # noqa: E402
+from torchtitan.models import build_model_args  # noqa: E402
+from torchtitan.models.llama.model import Transformer  # noqa: E402
+from torchtitan.reliability.entry import run_job  # noqa: E402
+from torchtitan.reliability.errors import EXIT_OK, bad_input  # noqa: E402
+from torchtitan.train_step import TrainStep, parallelize_model  # noqa: E402
+from torchtitan.validation import Validator  # noqa: E402
+
+
+def evaluate(job_config: JobConfig) -> int:
+    warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata's own deprecated call
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP on one process
+    world_size, rank, device = init_distributed(job_config.comm.init_timeout_seconds)
+    parallel_dims = check_layout(job_config, world_size, device.type)
+    meshes = parallel_dims.build_meshes(device.type)
+    path = latest_checkpoint_path(job_config)
+    with bad_input("model.tokenizer_path"):
+        tokenizer = Tokenizer(resolve_path(job_config.model.tokenizer_path))
+    with torch.device("meta"):
+        model = Transformer.from_model_args(build_model_args(job_config, tokenizer.n_words))
+    model_parts, pipeline = parallelize_model(model, meshes.world, parallel_dims, job_config, device)
+    for part in model_parts:
+        part.to_empty(device=device)
+        part.init_weights(seed=job_config.training.seed)  # the buffers (RoPE), which are not saved
+    load_model_weights(model_parts, path)
+    train_step = TrainStep(model_parts, pipeline, parallel_dims, job_config.training, device)
+    result = Validator(job_config, train_step, tokenizer, meshes).validate()
+    if rank == 0:
+        print(
+            f"{path}: loss {result.loss:.6f}  perplexity {result.perplexity:.4f}  "
+            f"({result.tokens:,} tokens, {result.seconds:.1f} s)"
+        )
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_job(evaluate, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""scripts/evaluate.py: a checkpoint's held-out loss, on one process and on two, equals the loss
+transformers' own LlamaForCausalLM computes on the same windows."""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from launch import ROOT, TINY_JOB
+from test_convert import random_model
+
+from scripts import convert_dcp_to_hf, convert_hf_to_dcp
+from torchtitan.config_manager import parse_args
+from torchtitan.datasets.hf_datasets import build_hf_data_loader
+from torchtitan.datasets.tokenizer import Tokenizer
+from torchtitan.models import build_model_args
+
+SCRIPT = ROOT / "scripts" / "evaluate.py"
+JOB = [*TINY_JOB, "--validation.steps", "2", "--validation.batch_size", "2"]
+
+
+def load_evaluate():
+    spec = importlib.util.spec_from_file_location("evaluate", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def printed_loss(out: str) -> float:
+    return float(re.search(r": loss (\S+)  perplexity", out).group(1))
+
+
+def transformers_loss(hf_folder, tokenizer) -> float:
+    """The mean of transformers' loss over the first two validation batches (2 windows of 65 tokens)."""
+    transformers = pytest.importorskip("transformers")
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(hf_folder, dtype=torch.float32).eval()
+    loader = build_hf_data_loader(
+        "kjv_validation", None, tokenizer, 2, 64, 1, 0, infinite=False, split="validation"
+    )
+    losses = []
+    with torch.no_grad():
+        for (inputs, labels), _ in zip(loader, range(2)):
+            window = torch.cat([inputs, labels[:, -1:]], dim=1)  # transformers shifts the labels itself
+            losses.append(hf_model(input_ids=window, labels=window).loss)
+    return torch.stack(losses).mean().item()
+
+
+def test_evaluate_a_converted_model_equals_transformers(tmp_path, capsys):
+    tokenizer = Tokenizer(ROOT / "assets" / "tokenizer" / "kjv_bpe.tiktoken")
+    args = build_model_args(parse_args(JOB), tokenizer.n_words)
+    dcp.save({"model": random_model(args).state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    convert_dcp_to_hf.convert(str(tmp_path / "dcp"), str(tmp_path / "hf"), args)
+    convert_hf_to_dcp.convert(str(tmp_path / "hf"), str(tmp_path / "from_hf"))
+    expected = transformers_loss(tmp_path / "hf", tokenizer)
+
+    job = [*JOB, "--job.dump_folder", str(tmp_path / "run"), "--checkpoint.initial_load_path"]
+    assert load_evaluate().main([*job, str(tmp_path / "from_hf")]) == 0
+    out = capsys.readouterr().out
+    assert "(256 tokens," in out
+    assert abs(printed_loss(out) - expected) < 1e-5, (out, expected)
+
+    # Two processes (FSDP), the weights resharded on load: the same windows, the same loss.
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    torchrun += ["--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    command = [*torchrun, str(SCRIPT), *job, str(tmp_path / "from_hf"), "--validation.batch_size", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert abs(printed_loss(result.stdout) - expected) < 1e-5, (result.stdout, expected)
+
+
+def test_evaluate_without_a_checkpoint_is_one_line(tmp_path, capsys):
+    assert load_evaluate().main([*JOB, "--job.dump_folder", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: job.dump_folder: no checkpoint in") and err.count("\n") == 1, err

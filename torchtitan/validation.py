@@ -1,0 +1,94 @@
+"""The held-out loss during training (`[validation]`) and of a checkpoint (scripts/evaluate.py).
+
+Every evaluation reads the same windows from the start of the validation data, laid out like the
+training data (global batch k holds the same windows whatever the layout), runs forward only, and
+reports the mean cross entropy over every token evaluated: batches hold equally many tokens, so it
+is the mean of the per-batch means over the batches and the data-parallel ranks. Training is left
+as it was: the model's mode is restored, no random numbers are drawn, the training data loader is
+not touched, and the metric logger leaves the time out of the training throughput."""
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+
+from torchtitan.config_manager import ConfigError, JobConfig
+from torchtitan.datasets.hf_datasets import build_hf_data_loader
+from torchtitan.datasets.tokenizer import Tokenizer
+from torchtitan.distributed import dist_mean, dist_sum
+from torchtitan.parallelisms.parallel_dims import Meshes
+from torchtitan.reliability.errors import bad_input
+from torchtitan.train_step import TrainStep
+
+
+@dataclass
+class ValidationResult:
+    loss: float
+    tokens: int
+    seconds: float
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss) if self.loss < 700 else math.inf
+
+
+class Validator:
+    """Evaluates the model that `train_step` runs on the job's validation data."""
+
+    def __init__(
+        self,
+        job_config: JobConfig,
+        train_step: TrainStep,
+        tokenizer: Tokenizer,
+        meshes: Meshes,
+    ) -> None:
+        validation = job_config.validation
+        self.freq = validation.freq
+        self.total_steps = job_config.training.steps
+        self.steps = validation.steps
+        self.train_step = train_step
+        self.meshes = meshes
+        dp_degree, dp_rank = meshes.dp_degree_and_rank
+        batch_size = validation_batch_size(job_config)
+        self.tokens_per_batch = batch_size * dp_degree * job_config.training.seq_len
+        option = "validation.dataset_path" if validation.dataset_path else "validation.dataset"
+        with bad_input(option):
+            self.loader = build_hf_data_loader(
+                validation.dataset,
+                validation.dataset_path,
+                tokenizer,
+                batch_size=batch_size,
+                seq_len=job_config.training.seq_len,
+                dp_world_size=dp_degree,
+                dp_rank=dp_rank,
+                infinite=False,
+                split="validation",
+            )
+            self.start = self.loader.state_dict()
+            if next(iter(self.loader), None) is None:
+                raise ConfigError(
+                    f"{option}: {validation.dataset_path or validation.dataset} holds fewer tokens than one "
+                    f"global validation batch ({batch_size} x {dp_degree} sequences of "
+                    f"{job_config.training.seq_len + 1} tokens); lower validation.batch_size or use more data"
+                )
+
+    def should_validate(self, step: int) -> bool:
+        """Every validation.freq steps and at the last step."""
+        return step % self.freq == 0 or step == self.total_steps
+
+    def validate(self) -> ValidationResult:
+        start = time.perf_counter()
+        self.loader.load_state_dict(self.start)
+        batches = iter(self.loader)
+        if self.steps != -1:
+            batches = itertools.islice(batches, self.steps)
+        loss_sum, count = self.train_step.evaluate(batches)
+        if self.meshes.pp is not None:  # the last stage's ranks hold the loss, the others 0
+            loss_sum = dist_sum(loss_sum, self.meshes.pp)
+        loss = dist_mean(loss_sum, self.meshes.dp) / count
+        return ValidationResult(loss, count * self.tokens_per_batch, time.perf_counter() - start)
+
+
+def validation_batch_size(job_config: JobConfig) -> int:
+    batch_size = job_config.validation.batch_size
+    return job_config.training.batch_size if batch_size == -1 else batch_size
