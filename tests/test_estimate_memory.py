@@ -7,6 +7,8 @@ import sys
 import pytest
 from launch import ROOT
 
+from torchtitan.memory_estimation.torch_internals import check_torch_internals
+
 SCRIPT = str(ROOT / "scripts" / "estimate_memory.py")
 # Parameters, optimizer state and activations all weigh: a 15M-parameter model (the vocabulary
 # padded to 16k rows) on 4 x 256 tokens.
@@ -53,6 +55,12 @@ def measure(nproc: int, *args: str) -> list[float]:
 
 
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+
+
+def test_torch_internals_the_estimator_relies_on_are_there():
+    """A torch upgrade that moves or reshapes one of them fails here, naming it, rather than as a
+    wrong estimate."""
+    check_torch_internals()
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from torchtitan.config_manager import JobConfig, TrainingConfig
 from torchtitan.config_rules import gradient_accumulation_steps
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.parallelize_llama import DTYPES, parallelize_llama, set_grad_all_reduce
-from torchtitan.parallelisms.pipeline_llama import Pipeline, pipeline_llama
+from torchtitan.parallelisms.pipeline_llama import Pipeline, StageIO, pipeline_llama
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids, labels), both (batch, seq_len)
 
@@ -24,17 +24,30 @@ def loss_fn(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten())
 
 
+def autocast_context(
+    parallel_dims: ParallelDims, training_config: TrainingConfig, device: torch.device
+) -> contextlib.AbstractContextManager:
+    """Without FSDP/DDP there is no MixedPrecisionPolicy to cast parameters, so autocast does it."""
+    param_dtype = DTYPES[training_config.mixed_precision_param]
+    if not parallel_dims.dp_enabled and param_dtype != torch.float32:
+        return torch.autocast(device.type, dtype=param_dtype)
+    return contextlib.nullcontext()
+
+
 def parallelize_model(
     model: nn.Module,
     world_mesh: DeviceMesh | None,
     parallel_dims: ParallelDims,
     job_config: JobConfig,
     device: torch.device,
+    stage_io: StageIO | None = None,
 ) -> tuple[list[nn.Module], Pipeline | None]:
     """The modules this rank runs (its pipeline stages, or the whole model), parallelized, and its
-    pipeline (None without PP); still on the meta device."""
+    pipeline (None without PP); still on the meta device. `stage_io`: see pipeline_llama."""
     if parallel_dims.pp_enabled:
-        pipeline, model_parts = pipeline_llama(model, world_mesh, parallel_dims, job_config, device, loss_fn)
+        pipeline, model_parts = pipeline_llama(
+            model, world_mesh, parallel_dims, job_config, device, loss_fn, stage_io
+        )
         return model_parts, pipeline
     return [parallelize_llama(model, world_mesh, parallel_dims, job_config)], None
 
@@ -58,13 +71,7 @@ class TrainStep:
         self.pipeline = pipeline
         self.device = device
         self.grad_accum_steps = gradient_accumulation_steps(training_config, parallel_dims)
-        param_dtype = DTYPES[training_config.mixed_precision_param]
-        # Without FSDP/DDP there is no MixedPrecisionPolicy to cast parameters, so autocast does it.
-        self.autocast = (
-            torch.autocast(device.type, dtype=param_dtype)
-            if not parallel_dims.dp_enabled and param_dtype != torch.float32
-            else contextlib.nullcontext()
-        )
+        self.autocast = autocast_context(parallel_dims, training_config, device)
         # Loss parallel: the cross entropy (forward and backward) on vocabulary-sharded logits.
         self.loss_context = loss_parallel if parallel_dims.loss_parallel_enabled else contextlib.nullcontext
         # Compiled, the loss fuses the upcast, log-softmax and their backward over the (large) logits:
@@ -112,7 +119,8 @@ class TrainStep:
                 pipeline.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
             else:
                 pipeline.schedule.step(target=targets, losses=losses, return_outputs=False)
-        return torch.stack(losses).mean() if pipeline.has_last_stage else torch.zeros((), device=self.device)
+        # No losses on ranks without the last stage, nor where the memory estimator cuts the schedule short.
+        return torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
 
     @torch.no_grad()
     def evaluate(self, batches: Iterator[Batch]) -> tuple[torch.Tensor, int]:

@@ -26,6 +26,9 @@ from torchtitan.parallelisms.pipeline_layout import (
     stage_layers,
 )
 
+# A stage id's example micro-batch input and output (for stages that cannot learn the shapes by messages).
+StageIO = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
 
 @dataclass
 class Pipeline:
@@ -58,7 +61,7 @@ def pipeline_llama(
     job_config: JobConfig,
     device: torch.device,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    stage_io: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    stage_io: StageIO | None = None,
 ) -> tuple[Pipeline, list[nn.Module]]:
     """This rank's pipeline and its stage models, each parallelized by `parallelize_llama`.
 

@@ -1,0 +1,60 @@
+"""The printed table: a row per job, or per pipeline rank, in GiB."""
+
+import time
+
+import torch
+
+from torchtitan.config_manager import JobConfig
+from torchtitan.config_rules import check_layout
+from torchtitan.memory_estimation.simulate import estimate_ranks
+from torchtitan.memory_estimation.step import vocab_size_of
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+
+GIB = 2**30
+
+
+def layout_of(cfg: JobConfig, parallel_dims: ParallelDims) -> str:
+    degrees = [
+        ("dp_replicate", parallel_dims.dp_replicate),
+        ("dp_shard", parallel_dims.dp_shard),
+        ("tp", parallel_dims.tp),
+        ("pp", parallel_dims.pp),
+    ]
+    text = " ".join(f"{name}={d}" for name, d in degrees if d > 1) or "1 rank"
+    if cfg.activation_checkpoint.mode != "none":
+        text += f" ac={cfg.activation_checkpoint.mode}"
+    return f"{text} bs={cfg.training.batch_size}x{cfg.training.seq_len} {cfg.training.mixed_precision_param}"
+
+
+def row(cfg: JobConfig | str, layout: str, rank: object, values: list[object]) -> str:
+    """A table row: the job's model (or a header's text), its layout, the rank and the values, bytes
+    printed in GiB."""
+    name = f"{cfg.model.name} {cfg.model.flavor}" if isinstance(cfg, JobConfig) else cfg
+    cells = [f"{v / GIB:>8.3f}" if isinstance(v, int) else f"{v:>8}" for v in values]
+    return f"{name:<16} {layout:<48} {rank!s:>5} " + " ".join(cells)
+
+
+def estimate(configs: list[JobConfig], world_size: int, full: bool = False) -> None:
+    """Print a row per job, or with pipeline parallelism a row per pipeline rank (their stages and
+    in-flight micro-batches differ); the ranks of the other dimensions hold the same share (FSDP
+    pads uneven shards), so the first stands for all."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    jobs, notes = [], []
+    for cfg in configs:  # every job is checked before any is estimated
+        if cfg.training.compile:
+            cfg.training.compile = False
+            cfg.parallelism.enable_async_tensor_parallel = False
+            notes.append("training.compile was ignored: the figures are for eager mode")
+        jobs.append((cfg, check_layout(cfg, world_size, device.type), vocab_size_of(cfg)))
+    print(f"Estimated peak memory per rank (GiB) of a steady-state step, {world_size} ranks ({device.type}):")
+    print(row("model", "layout", "rank", ["params", "grads", "optim", "activ", "peak"]))
+    for cfg, parallel_dims, vocab in jobs:
+        start = time.perf_counter()
+        estimates = estimate_ranks(cfg, parallel_dims, world_size, device, vocab, full)
+        labels = (
+            [f"pp{pp_rank}" for pp_rank in range(parallel_dims.pp)] if parallel_dims.pp_enabled else ["all"]
+        )
+        for label, cols in zip(labels, estimates.peaks):
+            print(row(cfg, layout_of(cfg, parallel_dims), label, list(cols.values())), flush=True)
+        notes.append(f"{cfg.model.flavor}: {estimates.how}, {time.perf_counter() - start:.1f}s")
+    print("; ".join(dict.fromkeys(notes)))

@@ -1,0 +1,133 @@
+"""The job's model parts, optimizer and one training step, built with the trainer's own code, on
+fake tensors for the estimate or on real ones for --measure."""
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+import torch
+
+from torchtitan.config_manager import ConfigError, JobConfig, resolve_path
+from torchtitan.datasets.tokenizer import Tokenizer
+from torchtitan.distributed import clip_grad_norm_
+from torchtitan.memory_estimation.torch_internals import FakeTensorMode
+from torchtitan.models import build_model_args
+from torchtitan.models import vocab_size as padded_vocab_size
+from torchtitan.models.llama.model import Transformer
+from torchtitan.optimizer import build_optimizer
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.parallelize_llama import parallelize_llama
+from torchtitan.parallelisms.pipeline_layout import num_microbatches, stage_layers
+from torchtitan.parallelisms.pipeline_llama import StageIO, split_model
+from torchtitan.train_step import TrainStep, autocast_context, parallelize_model
+
+
+def vocab_size_of(cfg: JobConfig) -> int:
+    """The embedding rows train.py would use: max(model.vocab_size, the tokenizer's vocabulary).
+    The tokenizer file may be missing here when model.vocab_size is set."""
+    path = resolve_path(cfg.model.tokenizer_path)
+    if not os.path.isfile(path):
+        if cfg.model.vocab_size > 0:
+            return cfg.model.vocab_size
+        raise ConfigError(
+            f"model.tokenizer_path: no file {path}; give the vocabulary size instead, e.g. "
+            "--model.vocab_size 128256 for Llama 3's tokenizer"
+        )
+    return padded_vocab_size(cfg.model, Tokenizer(path).n_words)
+
+
+def pipeline_stage_io(
+    model: torch.nn.Module,
+    world_mesh,
+    parallel_dims: ParallelDims,
+    cfg: JobConfig,
+    device: torch.device,
+    fake_mode: FakeTensorMode,
+    autocast: contextlib.AbstractContextManager,
+    vocab_size: int,
+) -> StageIO:
+    """A stage id's example micro-batch input and output, for stages on a fake process group (which
+    cannot carry the shapes between them). They come from a probe: the model's two ends alone
+    (embeddings, final norm, output), parallelized like a stage, run on one fake micro-batch.
+    Blocks keep the shape and dtype of the residual stream, so the embeddings' output is what every
+    stage boundary carries."""
+    layers = stage_layers(cfg, len(model.layers))
+    microbatch = (cfg.training.batch_size // num_microbatches(cfg, len(layers)), cfg.training.seq_len)
+    probe = parallelize_llama(split_model(model, range(0), True, True), world_mesh, parallel_dims, cfg)
+    boundary = []
+    probe.tok_embeddings.register_forward_hook(lambda module, args, output: boundary.append(output))
+    with fake_mode:
+        probe.to_empty(device=device)
+        tokens = torch.randint(0, vocab_size, microbatch, device=device)
+        with autocast:
+            logits = probe(tokens)
+    # Stage outputs and hidden inputs take gradients (those the stages send back).
+    hidden, logits = boundary[0].detach().requires_grad_(), logits.detach().requires_grad_()
+    return lambda stage_id: (
+        tokens if stage_id == 0 else hidden,
+        logits if stage_id == len(layers) - 1 else hidden,
+    )
+
+
+@dataclass
+class SimulatedStep:
+    """A rank's share of the job and the two halves of one training step on random tokens."""
+
+    model_parts: list[torch.nn.Module]
+    optimizer: torch.optim.Optimizer
+    forward_backward: Callable[[], None]  # with the gradient clipping
+    optimizer_step: Callable[[], None]
+    schedule: object  # the pipeline schedule, None without PP
+
+
+def build_step(
+    cfg: JobConfig,
+    parallel_dims: ParallelDims,
+    world_mesh,
+    device: torch.device,
+    vocab_size: int,
+    fake_mode: FakeTensorMode | None = None,
+    n_layers: int | None = None,
+) -> SimulatedStep:
+    """The rank's model parts and optimizer, built as train.py builds them, and its step (the
+    trainer's own TrainStep). With `fake_mode` the parameters are fake tensors (run the step under
+    it too); `n_layers` overrides the flavour's depth."""
+    model_args = build_model_args(cfg, vocab_size)
+    if n_layers is not None:
+        model_args = replace(model_args, n_layers=n_layers)
+    with torch.device("meta"):
+        model = Transformer.from_model_args(model_args)
+    stage_io = None
+    if parallel_dims.pp_enabled and fake_mode is not None:
+        autocast = autocast_context(parallel_dims, cfg.training, device)
+        stage_io = pipeline_stage_io(
+            model, world_mesh, parallel_dims, cfg, device, fake_mode, autocast, vocab_size
+        )
+    model_parts, pipeline = parallelize_model(model, world_mesh, parallel_dims, cfg, device, stage_io)
+    with fake_mode or contextlib.nullcontext():
+        for part in model_parts:
+            part.to_empty(device=device)  # the weights' values do not matter here
+            part.train()
+    optimizer = build_optimizer(model_parts, cfg.optimizer)
+    params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
+    pp_mesh = world_mesh["pp"] if parallel_dims.pp_enabled else None
+    train_step = TrainStep(model_parts, pipeline, parallel_dims, cfg.training, device)
+    # Later micro-batches of an accumulation are alike: the first and the last stand for them all.
+    microbatches = min(train_step.grad_accum_steps, 2)
+    shape = (cfg.training.batch_size, cfg.training.seq_len)
+
+    def random_batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        while True:
+            yield (
+                torch.randint(0, vocab_size, shape, device=device),
+                torch.randint(0, vocab_size, shape, device=device),
+            )
+
+    def forward_backward() -> None:
+        optimizer.zero_grad()
+        train_step.forward_backward(random_batches(), microbatches)
+        clip_grad_norm_(params, cfg.training.max_norm, pp_mesh)
+
+    schedule = pipeline.schedule if pipeline is not None else None
+    return SimulatedStep(model_parts, optimizer, forward_backward, optimizer.step, schedule)
