@@ -78,7 +78,8 @@ def train_step_time(dump_folder: str, extra: list[str]) -> dict:
     finally:
         hook.remove()
     with open(os.path.join(dump_folder, "metrics.jsonl")) as f:
-        best = min((r for r in map(json.loads, f) if r["step"] > STEADY_FROM), key=lambda r: r["step_time"])
+        steady = (r for r in map(json.loads, f) if r["step"] > STEADY_FROM and "step_time" in r)
+        best = min(steady, key=lambda r: r["step_time"])
     ends = cpu_at_step[STEADY_FROM - 1 :: LOG_FREQ]  # CPU clock after steps 8, 12, 16, ...
     cpu = min(b - a for a, b in zip(ends, ends[1:])) / LOG_FREQ
     return {"wall": best["step_time"], "cpu": cpu, "tokens": best["tps"] * best["step_time"]}

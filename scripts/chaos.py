@@ -134,9 +134,9 @@ def last_step(text: str) -> int:
 
 
 def losses(dump_folder: Path) -> list[tuple[int, float]]:
-    """Every (step, loss) logged to metrics.jsonl, across all launches."""
+    """Every training (step, loss) logged to metrics.jsonl, across all launches."""
     with open(dump_folder / "metrics.jsonl") as f:
-        return [(r["step"], r["loss"]) for r in map(json.loads, f)]
+        return [(r["step"], r["loss"]) for r in map(json.loads, f) if "loss" in r]
 
 
 def complete_checkpoints(dump_folder: Path) -> list[str]:

@@ -80,19 +80,19 @@ def test_compare_passes_on_equal_losses_and_fails_on_a_difference(runs, tmp_path
     shutil.copy(runs[0] / "metrics.jsonl", copy)
     assert plot_metrics.main(["--compare", a, str(copy)]) == 0
     out = capsys.readouterr().out
-    assert (
-        "OK: largest loss difference 0.000e+00 (step 6); largest validation_loss difference 0.000e+00" in out
-    )
+    assert "OK: largest loss difference 0.000e+00" in out
+    assert "largest validation_loss difference 0.000e+00" in out
 
     assert plot_metrics.main(["--compare", a, b]) == 1  # another learning rate
     assert "FAIL: loss differs by" in capsys.readouterr().out
 
     records = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
-    records[3]["loss"] += 3e-5
+    changed = [r for r in records if "loss" in r][3]
+    changed["loss"] += 3e-5
     (copy / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert plot_metrics.main(["--compare", a, str(copy), "--tol", "1e-5"]) == 1
     out = capsys.readouterr().out
-    assert f"FAIL: loss differs by 3.000e-05 at step {records[3]['step']}" in out
+    assert f"FAIL: loss differs by 3.000e-05 at step {changed['step']}" in out
     assert plot_metrics.main(["--compare", a, str(copy), "--tol", "1e-4"]) == 0
     validation = next(r for r in records if "validation_loss" in r)
     validation["validation_loss"] += 1e-3
