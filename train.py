@@ -62,6 +62,7 @@ def main(job_config: JobConfig) -> int:
 
     with bad_input("model.tokenizer_path"):
         tokenizer = Tokenizer(resolve_path(job_config.model.tokenizer_path))
+    model_args = build_model_args(job_config, tokenizer.n_words)
     with bad_input("training.dataset_path" if training.dataset_path else "training.dataset"):
         data_loader = build_hf_data_loader(
             training.dataset,
@@ -72,9 +73,11 @@ def main(job_config: JobConfig) -> int:
             dp_world_size=dp_degree,
             dp_rank=dp_rank,
             grad_accum_steps=grad_accum_steps,
+            seed=training.seed,
+            shuffle=training.shuffle_windows,
+            vocab_size=model_args.vocab_size,
         )
 
-    model_args = build_model_args(job_config, tokenizer.n_words)
     with torch.device("meta"):
         model = Transformer.from_model_args(model_args)
     logger.info(f"Model {job_config.model.name} {job_config.model.flavor}: {model.num_params():,} parameters")

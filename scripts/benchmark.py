@@ -10,6 +10,8 @@
 | data pipeline | tokens/s the loader delivers / tokens/s train.py consumes | >= 20 |
 | data tokenized | tokens a rank tokenizes / tokens it trains on, simulated DP 1, 8, 64 (worst) | <= 1.25 |
 | data at scale | one rank's loader tokens/s at simulated DP 64 / at DP 1 | >= 0.8 |
+| pre-tokenized loader | one rank's memory-mapped loader tokens/s, in order or shuffled (worst) | >= 5M |
+| pretokenize | scripts/pretokenize.py's tokens/s with 2 workers / with 1 | > 1 |
 | compile | train.py's steady step time compiled / eager | < 1 |
 
 Each part runs in a fresh process (train.py's main() disables GC, compiles, may start process
@@ -201,6 +203,35 @@ def part_data_sharding(tmp: str, steps: int = 200, seconds: float = 3.0) -> dict
     return result
 
 
+def part_pretokenized(tmp: str, seconds: float = 3.0) -> dict:
+    """Pretokenize the corpus with 1 and 2 workers (tokens/s, wall time: the workers are other processes),
+    then the tokens/s of rank 0's memory-mapped loader at simulated DP 8, in order and shuffled."""
+    from torchtitan.datasets.hf_datasets import build_hf_data_loader, load_text_dataset
+    from torchtitan.datasets.pretokenized import pretokenize
+    from torchtitan.datasets.tokenizer import Tokenizer
+
+    job_config = parse_args(TRAIN_ARGS)
+    t = job_config.training
+    path = str(ROOT / job_config.model.tokenizer_path)
+    tokenizer = Tokenizer(path)
+    ds = load_text_dataset(t.dataset, t.dataset_path)
+    result = {}
+    for workers in (1, 2):
+        output = Path(tmp, f"pretokenized-{workers}")
+        start = time.perf_counter()
+        texts = (batch["text"] for batch in ds.iter(batch_size=64))
+        manifest = pretokenize(texts, path, tokenizer.n_words, output, workers, {"dataset": t.dataset})
+        result[f"pretokenize_{workers}"] = manifest["num_tokens"] / (time.perf_counter() - start)
+    for order, shuffle in (("in_order", False), ("shuffled", True)):
+        loader = build_hf_data_loader(
+            t.dataset, str(output), tokenizer, t.batch_size, t.seq_len, 8, 0, shuffle=shuffle
+        )
+        batches = iter(loader)
+        next(batches)
+        result[order] = loader_rate(batches, seconds)
+    return result
+
+
 def part_checkpoint(tmp: str) -> dict:
     sys.path.insert(0, str(ROOT / "scripts"))
     import benchmark_checkpoint
@@ -274,6 +305,7 @@ PARTS = {
     "compile": part_compile,
     "data": part_data,
     "data_sharding": part_data_sharding,
+    "pretokenized": part_pretokenized,
     "checkpoint": part_checkpoint,
     "fsdp_memory": part_fsdp_memory,
 }
@@ -393,6 +425,27 @@ def run_all(threads: int, tmp: str) -> dict:
         f"one rank's loader at DP 64 {ds['64'][clock]:,.0f} tokens/s ({ds['64']['wall']:,.0f}), "
         f"at DP 1 {ds['1'][clock]:,.0f} ({ds['1']['wall']:,.0f})",
         ds,
+    )
+
+    p = run_part("pretokenized", tmp, threads)
+    rate = min(p["in_order"][clock], p["shuffled"][clock])
+    add(
+        "pre-tokenized loader",
+        rate,
+        ">= 5M",
+        rate >= 5e6,
+        f"one rank's loader {p['in_order'][clock]:,.0f} tokens/s ({p['in_order']['wall']:,.0f}) in order, "
+        f"{p['shuffled'][clock]:,.0f} ({p['shuffled']['wall']:,.0f}) shuffled",
+        p,
+    )
+    speedup = p["pretokenize_2"] / p["pretokenize_1"]
+    add(
+        "pretokenize",
+        speedup,
+        "> 1",
+        speedup > 1,
+        f"{p['pretokenize_1']:,.0f} tokens/s with 1 worker, {p['pretokenize_2']:,.0f} with 2 (wall time)",
+        p,
     )
 
     k = run_part("compile", tmp, threads)

@@ -5,6 +5,7 @@ Most cases run train.py's run() in this process (what each rank runs); a few go 
 run_llama_train.sh end to end, where the preflight answers before torch is imported."""
 
 import hashlib
+import json
 import os
 import pickle
 import shutil
@@ -19,6 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from launch import ROOT, TINY_JOB, run_train_in_process
 
+from torchtitan.datasets.pretokenized import pretokenize
 from torchtitan.reliability.safe_dcp import SafeLoadPlanner, SafeReader, read_checkpoint
 
 CKPT = ["--checkpoint.enable_checkpoint", "true"]
@@ -157,6 +159,61 @@ def old_loader_state(step_dir: Path, tmp: Path) -> None:
     dcp.save(state, checkpoint_id=str(step_dir), no_dist=True)
 
 
+def pretokenized(option: str, damage=None, texts: list[str] | None = None):
+    """`option` pointing at a pre-tokenized folder of `texts` (default: the first 20 kjv chapters), damaged
+    by damage(folder)."""
+
+    def argv(tmp, dump, trained):
+        with open(ROOT / "assets/corpus/kjv/train.jsonl") as f:
+            chapters = [json.loads(line)["text"] for _, line in zip(range(20), f)]
+        tokenizer = str(ROOT / "assets/tokenizer/kjv_bpe.tiktoken")
+        pretokenize(iter([texts or chapters]), tokenizer, 2256, tmp / "tokens", 1, {"dataset": "kjv"})
+        if damage is not None:
+            damage(tmp / "tokens")
+        return [option, str(tmp / "tokens")]
+
+    return argv
+
+
+def edit_manifest(**changes):
+    def damage(folder: Path) -> None:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        for key, value in changes.items():
+            section, _, name = key.partition("__")
+            (manifest[section] if name else manifest)[name or key] = value
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+
+    return damage
+
+
+PRETOKENIZED = [
+    (
+        "of another tokenizer",
+        edit_manifest(tokenizer__sha256="0" * 64),
+        "was tokenized with another tokenizer (sha256 000000000000, from",
+    ),
+    ("beyond the vocabulary", edit_manifest(tokenizer__vocab_size=70000), "beyond the model's vocabulary"),
+    ("truncated", lambda folder: truncate(folder / "shard-00000.bin"), "the folder is damaged"),
+    ("without manifest", lambda folder: (folder / "manifest.json").unlink(), "no manifest.json: run"),
+    ("of another version", edit_manifest(version=2), "format version 2; this trainer reads version 1"),
+]
+
+
+def pretokenized_cases(option: str, wrap=lambda make: make) -> list:
+    name = option.split(".")[0]
+    return [
+        *(
+            Case(f"{name} pre-tokenized {what}", wrap(pretokenized(f"--{option}", damage)), message)
+            for what, damage, message in PRETOKENIZED
+        ),
+        Case(
+            f"{name} pre-tokenized too small",
+            wrap(pretokenized(f"--{option}", texts=["In the beginning"] * 8)),
+            "fewer than the 8 sequences of a global batch",
+        ),
+    ]
+
+
 CASES = [
     # The job file and the command line
     Case(
@@ -254,6 +311,9 @@ CASES = [
         validation(args("--validation.dataset", "wikipedia")),
         "validation.dataset: Unknown dataset 'wikipedia'",
     ),
+    # Pre-tokenized data (scripts/pretokenize.py)
+    *pretokenized_cases("training.dataset_path"),
+    *pretokenized_cases("validation.dataset_path", validation),
     # Parallel degrees against the world size
     Case(
         "degrees vs world size",

@@ -200,9 +200,9 @@ def _check_dataloader_keys(dataloader: Stateful, path: str, saved: dict[str, Any
     if missing:
         raise ConfigError(
             f"checkpoint: {path} has no {missing[0]}: its data loader state was saved for another "
-            "global batch size or by an older data loader, and the data streams depend on the global "
-            "batch size; keep the saved global batch size, or start the data afresh with "
-            "--checkpoint.exclude_from_loading dataloader"
+            "global batch size or by an older data loader (or from text data for pre-tokenized data, or the "
+            "reverse), and the text data streams depend on the global batch size; keep the saved global "
+            "batch size, or start the data afresh with --checkpoint.exclude_from_loading dataloader"
         )
 
 

@@ -94,6 +94,11 @@ class TrainingConfig:
     dataset_path: str | None = opt(
         None, "Local file or folder (txt/json/jsonl/parquet) overriding the dataset"
     )
+    shuffle_windows: bool = opt(
+        False,
+        "Pre-tokenized data (a dataset_path with manifest.json): read its windows in an order seeded by "
+        "training.seed, a new one each epoch; off: in order",
+    )
     batch_size: int = opt(8, "Per-rank batch size (sequences)", min=1)
     seq_len: int = opt(2048, "Sequence length (tokens)", min=1)
     max_norm: float = opt(1.0, "Clip gradients to this global L2 norm; 0 disables clipping", min=0.0)

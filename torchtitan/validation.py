@@ -16,6 +16,7 @@ from torchtitan.config_manager import ConfigError, JobConfig
 from torchtitan.datasets.hf_datasets import build_hf_data_loader
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.distributed import dist_mean, dist_sum
+from torchtitan.models import vocab_size
 from torchtitan.parallelisms.parallel_dims import Meshes
 from torchtitan.reliability.errors import bad_input
 from torchtitan.train_step import TrainStep
@@ -63,6 +64,7 @@ class Validator:
                 dp_rank=dp_rank,
                 infinite=False,
                 split="validation",
+                vocab_size=vocab_size(job_config.model, tokenizer.n_words),
             )
             self.start = self.loader.state_dict()
             if next(iter(self.loader), None) is None:

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from torchtitan.datasets.pretokenized import PretokenizedDataset, is_pretokenized, read_manifest
 from torchtitan.datasets.streams import (
     MapDocuments,
     PackedStream,
@@ -266,13 +267,36 @@ def build_hf_data_loader(
     grad_accum_steps: int = 1,
     infinite: bool = True,
     split: str = "train",
+    seed: int = 0,
+    shuffle: bool = False,
+    vocab_size: int | None = None,
 ) -> StatefulDataLoader:
     """One data-parallel rank's loader of ``(input_ids, labels)`` batches, both ``(batch_size, seq_len)``.
 
     `batch_size` is per rank; each optimizer step takes `grad_accum_steps` batches. The windows depend only
     on the global batch size: row j of global batch k is window k of stream j, so the loader's state taken
     between steps can be loaded under any layout with the same global batch size.
+
+    A `dataset_path` folder with a manifest.json is pre-tokenized data (pretokenized.py), read by memory map
+    and checked against `tokenizer`'s file and the model's `vocab_size` (default: the tokenizer's); `seed`
+    and `shuffle` order its windows. Its state resumes under any layout and global batch size.
     """
+    if dataset_path is not None and is_pretokenized(folder := _resolve_local_path(dataset_path)):
+        manifest = read_manifest(folder, tokenizer.model_path, vocab_size or tokenizer.n_words)
+        pretokenized = PretokenizedDataset(
+            folder,
+            manifest,
+            seq_len,
+            batch_size,
+            dp_world_size,
+            dp_rank,
+            grad_accum_steps,
+            infinite=infinite,
+            seed=seed,
+            shuffle=shuffle,
+        )
+        # The dataset yields whole micro-batches: no per-row collation.
+        return StatefulDataLoader(pretokenized, batch_size=None, num_workers=0, generator=torch.Generator())
     ds = load_text_dataset(dataset_name, dataset_path, split)
     dataset = HuggingFaceDataset(
         dataset_name,

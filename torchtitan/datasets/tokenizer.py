@@ -96,6 +96,7 @@ class Tokenizer:
     """
 
     def __init__(self, model_path: str | Path):
+        self.model_path = str(model_path)  # pre-tokenized data is checked against this file's hash
         mergeable_ranks = load_bpe_ranks(model_path)
         self.num_base_tokens = len(mergeable_ranks)
         self.special_tokens = {token: self.num_base_tokens + i for i, token in enumerate(SPECIAL_TOKENS)}

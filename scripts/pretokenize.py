@@ -1,0 +1,80 @@
+"""Tokenize a job's dataset once into memory-mappable token shards, so that training tokenizes nothing.
+
+    python scripts/pretokenize.py --job.config_file F [--training.dataset_path P | --training.dataset NAME]
+        --output DIR [--workers N] [--split train] [--docs-per-shard 16384]
+
+Reads the dataset as train.py would (`training.dataset` / `training.dataset_path`, any source the trainer
+accepts) and encodes it with `model.tokenizer_path`, every document framed by BOS/EOS. Then train with
+`--training.dataset_path DIR` (or `--validation.dataset_path DIR` for a `--split validation` output).
+DIR must not exist; it appears only once complete. Exit codes and one-line errors are train.py's.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import datasets  # noqa: E402
+
+from torchtitan.config_manager import ConfigError, parse_args, resolve_path  # noqa: E402
+from torchtitan.datasets.hf_datasets import load_text_dataset  # noqa: E402
+from torchtitan.datasets.pretokenized import pretokenize  # noqa: E402
+from torchtitan.datasets.tokenizer import Tokenizer  # noqa: E402
+from torchtitan.reliability.errors import EXIT_OK, bad_input, run_with_exit_codes  # noqa: E402
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not argparse's usage block
+        raise ConfigError(message)
+
+
+def positive(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
+    return int(value)
+
+
+def main(argv: list[str]) -> int:
+    parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output", required=True, help="the folder to create")
+    parser.add_argument("--workers", type=positive, default=os.cpu_count(), help="tokenizing processes")
+    parser.add_argument("--split", default="train", help="the dataset's split (default: train)")
+    parser.add_argument("--docs-per-shard", type=positive, default=16384, help="documents per shard file")
+    own, job_argv = parser.parse_known_args(argv)
+    job_config = parse_args(job_argv)
+    output = Path(own.output)
+    if output.exists():
+        raise ConfigError(f"--output: {output} exists; pretokenize.py only creates a new folder")
+
+    training = job_config.training
+    tokenizer_path = resolve_path(job_config.model.tokenizer_path)
+    with bad_input("model.tokenizer_path"):
+        tokenizer = Tokenizer(tokenizer_path)
+    option = "training.dataset_path" if training.dataset_path else "training.dataset"
+    with bad_input(option):
+        ds = load_text_dataset(training.dataset, training.dataset_path, own.split)
+        source = {"dataset": training.dataset, "dataset_path": training.dataset_path, "split": own.split}
+        manifest = pretokenize(
+            (batch["text"] for batch in ds.iter(batch_size=own.docs_per_shard)),
+            tokenizer_path,
+            tokenizer.n_words,
+            output,
+            own.workers,
+            source,
+            total_documents=len(ds) if isinstance(ds, datasets.Dataset) else None,
+        )
+    print(
+        f"{output}: {manifest['num_tokens']:,} tokens ({manifest['dtype']}) of {manifest['num_documents']:,} "
+        f"documents in {len(manifest['shards'])} shards"
+    )
+    return EXIT_OK
+
+
+def run(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    return run_with_exit_codes(lambda: main(argv), lambda: None)
+
+
+if __name__ == "__main__":
+    sys.exit(run())

@@ -1,0 +1,249 @@
+"""Pre-tokenized data: scripts/pretokenize.py's output and the memory-mapped loader that reads it."""
+
+import copy
+import hashlib
+import json
+import os
+import runpy
+import shutil
+from pathlib import Path
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import datasets  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from launch import TINY_JOB, losses, read_records, run_train_in_process  # noqa: E402
+
+from torchtitan.datasets.hf_datasets import build_hf_data_loader  # noqa: E402
+from torchtitan.datasets.pretokenized import WindowOrder  # noqa: E402
+from torchtitan.datasets.tokenizer import Tokenizer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQ_LEN = 8
+WINDOW = SEQ_LEN + 1
+DOCS = [f"Document {i}: " + "and it came to pass " * (i % 7 + 1) for i in range(40)]
+LAYOUTS = [(1, 4), (2, 2), (4, 1), (1, 2, 2), (2, 1, 2)]  # (ranks, batch, micro-batches)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def hf_cache(tmp_path_factory: pytest.TempPathFactory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf_cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer(ROOT / "assets/tokenizer/kjv_bpe.tiktoken")
+
+
+def write_jsonl(path: Path, docs: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return path
+
+
+def pretokenize(data: Path, output: Path, *extra: str) -> int:
+    run = runpy.run_path(str(ROOT / "scripts" / "pretokenize.py"))["run"]
+    job = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml")]
+    return run([*job, "--training.dataset_path", str(data), "--output", str(output), *extra])
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("pretokenized")
+    assert pretokenize(write_jsonl(tmp / "docs.jsonl", DOCS), tmp / "docs", "--docs-per-shard", "7") == 0
+    return tmp / "docs"
+
+
+def stream(tok) -> list[int]:
+    return [t for d in DOCS for t in tok.encode(d, bos=True, eos=True)]
+
+
+def loaders(tok, folder: Path, layout: tuple[int, ...], **kwargs):
+    world, batch, accum = (*layout, 1)[:3]
+    return [
+        build_hf_data_loader("docs", str(folder), tok, batch, SEQ_LEN, world, rank, accum, **kwargs)
+        for rank in range(world)
+    ]
+
+
+def global_batches(rank_loaders, steps: int, accum: int = 1) -> list[torch.Tensor]:
+    """The next `steps` global batches as windows: per micro-batch, the ranks' rows in rank order."""
+    iters = [iter(dl) for dl in rank_loaders]
+    out = []
+    for _ in range(steps):
+        parts = [next(it) for _ in range(accum) for it in iters]
+        out.append(torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in parts]))
+    return out
+
+
+def reference(tok, first: int, count: int, order=lambda i: i) -> torch.Tensor:
+    tokens = torch.tensor(stream(tok))
+    return torch.stack(
+        [tokens[order(w) * WINDOW : (order(w) + 1) * WINDOW] for w in range(first, first + count)]
+    )
+
+
+def all_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_output_is_the_same_for_any_number_of_workers(tok, folder, tmp_path):
+    assert (
+        pretokenize(folder.parent / "docs.jsonl", tmp_path / "one", "--docs-per-shard", "7", "--workers", "1")
+        == 0
+    )
+    files = sorted(p.name for p in folder.iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "one").iterdir())
+    for name in files:
+        assert (folder / name).read_bytes() == (tmp_path / "one" / name).read_bytes(), name
+
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["version"] == 1 and manifest["dtype"] == "uint16"
+    sha = hashlib.sha256((ROOT / "assets/tokenizer/kjv_bpe.tiktoken").read_bytes()).hexdigest()
+    assert (
+        manifest["tokenizer"]["sha256"] == sha and manifest["tokenizer"]["vocab_size"] == tok.n_words == 2256
+    )
+    assert manifest["source"]["split"] == "train" and manifest["source"]["dataset_path"].endswith(
+        "docs.jsonl"
+    )
+    assert [s["num_documents"] for s in manifest["shards"]] == [7, 7, 7, 7, 7, 5]
+    shards = [np.fromfile(folder / s["tokens"], dtype=np.uint16) for s in manifest["shards"]]
+    assert [len(s) for s in shards] == [s["num_tokens"] for s in manifest["shards"]]
+    assert np.concatenate(shards).tolist() == stream(tok) and manifest["num_tokens"] == len(stream(tok))
+    # The offsets mark each document's BOS.
+    for shard, entry in zip(shards, manifest["shards"]):
+        offsets = np.load(folder / entry["offsets"])
+        assert offsets[0] == 0 and offsets[-1] == len(shard) and len(offsets) == entry["num_documents"] + 1
+        assert (shard[offsets[:-1]] == tok.bos_id).all()
+
+
+def test_interrupted_run_leaves_nothing_and_existing_output_is_refused(folder, tmp_path, capsys, monkeypatch):
+    def fail(self, s, bos, eos):
+        raise ValueError("interrupted")
+
+    monkeypatch.setattr(Tokenizer, "encode", fail)  # in the forked workers too
+    assert pretokenize(folder.parent / "docs.jsonl", tmp_path / "out", "--docs-per-shard", "7") == 2
+    assert "interrupted" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+    before = sorted(p.name for p in folder.iterdir())
+    assert pretokenize(folder.parent / "docs.jsonl", folder) == 2
+    assert capsys.readouterr().err.endswith(
+        f"error: --output: {folder} exists; pretokenize.py only creates a new folder\n"
+    )
+    assert sorted(p.name for p in folder.iterdir()) == before
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["in order", "shuffled"])
+def test_layout_invariance(tok, folder, shuffle):
+    """Every layout with a global batch of 4 reads the same windows, across epochs."""
+    n_windows = len(stream(tok)) // WINDOW
+    steps = n_windows // 4 + 3
+    expected = global_batches(loaders(tok, folder, (1, 4), shuffle=shuffle), steps)
+    if not shuffle:
+        assert all_equal(
+            expected[: n_windows // 4], [reference(tok, 4 * k, 4) for k in range(n_windows // 4)]
+        )
+        assert torch.equal(expected[n_windows // 4], reference(tok, 0, 4))  # the next epoch
+    for layout in LAYOUTS[1:]:
+        batches = global_batches(loaders(tok, folder, layout, shuffle=shuffle), steps, (*layout, 1)[2])
+        assert all_equal(batches, expected), layout
+
+
+def test_shuffle_is_a_seeded_bijection(tok, folder):
+    for n in [1, 2, 3, 17, 64, 1000]:
+        assert sorted(WindowOrder(n, 0, 0)(i) for i in range(n)) == list(range(n))
+    orders = {
+        (seed, epoch): [WindowOrder(1000, seed, epoch)(i) for i in range(1000)]
+        for seed in (0, 1)
+        for epoch in (0, 1)
+    }
+    assert len({tuple(o) for o in orders.values()}) == 4
+    # An epoch of the loader reads every window once (4 divides neither: the tail is dropped).
+    n_windows = len(stream(tok)) // WINDOW
+    steps = n_windows // 4
+    windows = torch.cat(global_batches(loaders(tok, folder, (2, 2), shuffle=True, seed=3), steps))
+    order = WindowOrder(n_windows, 3, 0)
+    assert torch.equal(windows, reference(tok, 0, 4 * steps, order))
+    assert len({order(i) for i in range(4 * steps)}) == 4 * steps
+    other = torch.cat(global_batches(loaders(tok, folder, (2, 2), shuffle=True, seed=4), steps))
+    assert not torch.equal(windows, other)
+
+
+def test_nothing_is_tokenized(tok, folder, monkeypatch):
+    (dl,) = loaders(tok, folder, (1, 4))
+
+    def fail(self, s, bos, eos):
+        raise AssertionError("tokenized during training")
+
+    monkeypatch.setattr(Tokenizer, "encode", fail)
+    assert len(global_batches([dl], 30)) == 30
+
+
+def test_resume_on_any_layout_and_global_batch(tok, folder, tmp_path):
+    n_windows = len(stream(tok)) // WINDOW
+    taken = 5
+    (dl,) = loaders(tok, folder, (1, 2, 2), shuffle=True)
+    it = iter(dl)
+    for _ in range(2 * taken):
+        next(it)
+    state = copy.deepcopy(dl.state_dict())
+    assert state["dataset_state"]["pretokenized"].tolist() == [0, 4 * taken, 0, 4]
+    expected = [torch.cat([torch.cat([x, y[:, -1:]], 1) for x, y in (next(it), next(it))]) for _ in range(6)]
+
+    (same,) = loaders(tok, folder, (1, 2, 2), shuffle=True)
+    same.load_state_dict(copy.deepcopy(state))
+    assert all_equal(global_batches([same], 6, 2), expected)
+
+    dcp.save({"dataloader": state}, checkpoint_id=tmp_path / "ckpt")
+    for layout in [(4, 1), (2, 2)]:
+        after = loaders(tok, folder, layout, shuffle=True)
+        for rank_loader in after:
+            dcp.load({"dataloader": rank_loader}, checkpoint_id=tmp_path / "ckpt")
+        assert all_equal(global_batches(after, 6), expected), layout
+
+    # Another global batch size goes on from the next unconsumed window, in order here.
+    (smaller,) = loaders(tok, folder, (1, 2))
+    smaller.load_state_dict(copy.deepcopy(state))
+    got = torch.cat(global_batches([smaller], 4))
+    assert torch.equal(got, reference(tok, 4 * taken, 8))
+    (larger,) = loaders(tok, folder, (1, 8))
+    larger.load_state_dict(copy.deepcopy(state))
+    first = 4 * taken if 4 * taken + 8 <= n_windows else 0
+    assert torch.equal(next(iter(larger))[0], reference(tok, first, 8)[:, :-1])
+
+
+def test_finite_pass_is_in_order_and_restarts(tok, folder):
+    """Evaluation: one pass over the windows in order (no shuffle), the incomplete last batch dropped; the
+    next pass starts again from the beginning."""
+    steps = len(stream(tok)) // WINDOW // 4
+    expected = [reference(tok, 4 * k, 4) for k in range(steps)]
+    for layout in [(1, 4), (2, 2)]:
+        rank_loaders = loaders(tok, folder, layout, infinite=False, shuffle=True)
+        assert [len(list(dl)) for dl in rank_loaders] == [steps] * layout[0]
+        assert all_equal(global_batches(rank_loaders, steps), expected), layout
+
+
+def test_train_and_validate_from_pretokenized_data(tmp_path):
+    """train.py on pre-tokenized training and validation data, resumed from a checkpoint bit for bit."""
+    with open(ROOT / "assets/corpus/kjv/train.jsonl") as f:
+        chapters = [json.loads(line)["text"] for _, line in zip(range(30), f)]
+    assert pretokenize(write_jsonl(tmp_path / "kjv.jsonl", chapters), tmp_path / "data") == 0
+    data = ["--training.dataset_path", str(tmp_path / "data"), "--training.shuffle_windows", "true"]
+    data += ["--validation.enable", "true", "--validation.dataset_path", str(tmp_path / "data")]
+    data += ["--validation.freq", "2", "--validation.steps", "2", "--checkpoint.enable_checkpoint", "true"]
+    job = [*TINY_JOB, *data, "--training.steps", "4", "--checkpoint.interval", "2"]
+    assert run_train_in_process(*job, "--job.dump_folder", str(tmp_path / "straight")) == 0
+    step_2 = Path("checkpoint", "step-2")
+    shutil.copytree(tmp_path / "straight" / step_2, tmp_path / "resumed" / step_2)
+    assert run_train_in_process(*job, "--job.dump_folder", str(tmp_path / "resumed")) == 0
+    straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
+    assert list(straight) == [1, 2, 3, 4] and list(resumed) == [3, 4]
+    assert resumed == {step: straight[step] for step in (3, 4)}
+    validation = [r for r in read_records(tmp_path / "straight") if "validation_loss" in r]
+    assert [r["step"] for r in validation] == [2, 4] and validation[0]["validation_tokens"] == 2 * 8 * 64

@@ -1,0 +1,327 @@
+"""Pre-tokenized datasets: token shards written once by scripts/pretokenize.py, read by memory map.
+
+A pre-tokenized folder holds ``manifest.json`` and, per shard, ``shard-NNNNN.bin`` (the tokens of a
+contiguous range of documents, each framed by BOS/EOS as the on-the-fly loader encodes it; uint16 when
+the vocabulary fits, else uint32) and ``shard-NNNNN.offsets.npy`` (int64: where each document starts,
+then the shard's length). Training cuts windows of ``seq_len + 1`` tokens from the concatenation of all
+shards: window w is tokens ``[w * (seq_len + 1), (w + 1) * (seq_len + 1))``, the partial tail dropped.
+
+Global row j of optimizer step k (S sequences per step) reads window ``order(k * S + j)`` of the epoch,
+``order`` being the identity or, with ``training.shuffle_windows``, a seeded bijection of the windows that
+changes every epoch. Rank r's micro-batch m holds rows ``m * D * b + r * b + [0, b)``, as the text loader's.
+The state is the epoch and the windows consumed in it, the same on every rank, so a run resumes exactly on
+any layout and with any global batch size (it goes on from the next unconsumed window).
+"""
+
+import hashlib
+import json
+import math
+import multiprocessing
+import os
+import shutil
+from bisect import bisect_right
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils.data import IterableDataset
+
+from torchtitan.logging import logger
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SHARD_SUFFIX = ".bin"
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+RERUN = "re-run scripts/pretokenize.py"
+
+
+def shard_names(index: int) -> tuple[str, str]:
+    """The token and offset file names of shard `index`."""
+    return f"shard-{index:05d}{SHARD_SUFFIX}", f"shard-{index:05d}.offsets.npy"
+
+
+def token_dtype(vocab_size: int) -> str:
+    return "uint16" if vocab_size <= 2**16 else "uint32"
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def is_pretokenized(folder: Path) -> bool:
+    """A folder with a manifest is pre-tokenized data; one with shards but no manifest is refused, as
+    pretokenize.py writes the manifest last and an interrupted run leaves no such folder."""
+    if not folder.is_dir():
+        return False
+    if (folder / MANIFEST).is_file():
+        return True
+    if any(folder.glob(f"shard-*{SHARD_SUFFIX}")):
+        raise ValueError(
+            f"{folder} holds token shards but no {MANIFEST}: run scripts/pretokenize.py to write a complete "
+            "pre-tokenized folder, or point at text files (.txt/.json/.jsonl/.parquet)"
+        )
+    return False
+
+
+def read_manifest(folder: Path, tokenizer_path: str | Path, vocab_size: int) -> dict[str, Any]:
+    """The manifest of `folder`, checked against the job's tokenizer file and the model's vocabulary size
+    (embedding rows) and against the shard files on disk."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{folder / MANIFEST} is not valid JSON ({e}); {RERUN}") from None
+    if manifest.get("version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{folder / MANIFEST} is format version {manifest.get('version')!r}; this trainer reads version "
+            f"{FORMAT_VERSION}: {RERUN}"
+        )
+    tokenizer = manifest["tokenizer"]
+    sha = file_sha256(tokenizer_path)
+    if tokenizer["sha256"] != sha:
+        raise ValueError(
+            f"{folder} was tokenized with another tokenizer (sha256 {tokenizer['sha256'][:12]}, from "
+            f"{tokenizer['path']}) than model.tokenizer_path {tokenizer_path} (sha256 {sha[:12]}): {RERUN} "
+            "with this model.tokenizer_path, or set model.tokenizer_path to the one it was made with"
+        )
+    if tokenizer["vocab_size"] > vocab_size:
+        raise ValueError(
+            f"{folder} holds token ids up to {tokenizer['vocab_size'] - 1}, beyond the model's vocabulary of "
+            f"{vocab_size} (model.vocab_size): {RERUN} with the model's tokenizer"
+        )
+    if manifest["dtype"] not in DTYPES:
+        raise ValueError(f"{folder / MANIFEST} names an unknown dtype {manifest['dtype']!r}; {RERUN}")
+    itemsize = np.dtype(DTYPES[manifest["dtype"]]).itemsize
+    for shard in manifest["shards"]:
+        path = folder / shard["tokens"]
+        size = path.stat().st_size if path.is_file() else None
+        if size != shard["num_tokens"] * itemsize:
+            raise ValueError(
+                f"{path} has {'no file' if size is None else f'{size} bytes'}, the manifest "
+                f"{shard['num_tokens'] * itemsize} ({shard['num_tokens']} tokens of {manifest['dtype']}): "
+                f"the folder is damaged; {RERUN}"
+            )
+    return manifest
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+class WindowOrder:
+    """A seeded bijection of ``[0, n)`` in O(1) memory: a 4-round Feistel network over the smallest even
+    number of bits that holds n, walking the cycle until the value falls inside ``[0, n)``."""
+
+    ROUNDS = 4
+
+    def __init__(self, n: int, seed: int, epoch: int):
+        self.n = n
+        self.half = max(1, math.ceil(math.log2(max(n, 2)) / 2))
+        self.mask = (1 << self.half) - 1
+        self.keys = [_splitmix64(_splitmix64(seed) ^ (epoch << 8 | r)) for r in range(self.ROUNDS)]
+
+    def _permute(self, x: int) -> int:
+        left, right = x >> self.half, x & self.mask
+        for key in self.keys:
+            left, right = right, left ^ (_splitmix64(key ^ right) & self.mask)
+        return left << self.half | right
+
+    def __call__(self, i: int) -> int:
+        x = self._permute(i)
+        while x >= self.n:
+            x = self._permute(x)
+        return x
+
+
+class PretokenizedDataset(IterableDataset, Stateful):
+    """One data-parallel rank's ``(input_ids, labels)`` micro-batches, each ``(batch_size, seq_len)``,
+    read from the memory-mapped shards of a pre-tokenized folder; nothing is tokenized."""
+
+    def __init__(
+        self,
+        folder: Path,
+        manifest: dict[str, Any],
+        seq_len: int,
+        batch_size: int,
+        dp_world_size: int = 1,
+        dp_rank: int = 0,
+        grad_accum_steps: int = 1,
+        infinite: bool = True,
+        seed: int = 0,
+        shuffle: bool = False,
+    ):
+        dtype = DTYPES[manifest["dtype"]]
+        shards = [s for s in manifest["shards"] if s["num_tokens"] > 0]
+        self._tokens = [np.memmap(folder / s["tokens"], dtype=dtype, mode="r") for s in shards]
+        self._starts = np.cumsum([0] + [s["num_tokens"] for s in shards]).tolist()
+        self.window = seq_len + 1
+        self.num_windows = self._starts[-1] // self.window
+        self.global_batch = grad_accum_steps * batch_size * dp_world_size
+        if self.num_windows < self.global_batch:
+            raise ValueError(
+                f"{folder} holds {self.num_windows} windows of seq_len + 1 = {self.window} tokens, fewer "
+                f"than the {self.global_batch} sequences of a global batch: use more data or a smaller "
+                "global batch"
+            )
+        self.folder = folder
+        self.infinite = infinite
+        self.shuffle = shuffle and infinite  # evaluation reads the windows in order
+        self.seed = seed
+        # This rank's rows of a step, one range per micro-batch.
+        per_pass = batch_size * dp_world_size
+        self._micro_rows = [m * per_pass + dp_rank * batch_size for m in range(grad_accum_steps)]
+        self.batch_size = batch_size
+        self.load_state_dict(self._fresh_state())
+
+    def _read(self, w: int) -> np.ndarray:
+        """Window w of the concatenated shards (it may span shards)."""
+        start, end = w * self.window, (w + 1) * self.window
+        pieces = []
+        shard = bisect_right(self._starts, start) - 1
+        while start < end:
+            offset = self._starts[shard]
+            take = min(end, self._starts[shard + 1])
+            pieces.append(self._tokens[shard][start - offset : take - offset])
+            start, shard = take, shard + 1
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def _order(self):
+        return WindowOrder(self.num_windows, self.seed, self.epoch) if self.shuffle else (lambda i: i)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        order = self._order()
+        while True:
+            if self.consumed + self.global_batch > self.num_windows:  # the incomplete last batch is dropped
+                if not self.infinite:
+                    self.load_state_dict(self._fresh_state())  # the next pass starts from the beginning
+                    return
+                self.epoch, self.consumed = self.epoch + 1, 0
+                logger.warning(f"Dataset {self.folder} is being re-looped: starting epoch {self.epoch}")
+                order = self._order()
+            for m in range(self.micro, len(self._micro_rows)):
+                first = self.consumed + self._micro_rows[m]
+                rows = np.stack([self._read(order(first + i)) for i in range(self.batch_size)])
+                batch = torch.from_numpy(rows.astype(np.int64))
+                self.micro = m + 1
+                if self.micro == len(self._micro_rows):  # the state taken after a step counts it
+                    self.consumed, self.micro = self.consumed + self.global_batch, 0
+                yield batch[:, :-1], batch[:, 1:]
+
+    def _fresh_state(self) -> dict[str, Any]:
+        return {"pretokenized": torch.tensor([0, 0, 0, self.global_batch], dtype=torch.long)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Epoch, windows consumed in it, this step's micro-batches done, and the global batch size: the
+        same on every rank between steps, whatever the layout."""
+        state = [self.epoch, self.consumed, self.micro, self.global_batch]
+        return {"pretokenized": torch.tensor(state, dtype=torch.long)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "pretokenized" not in state_dict:
+            raise ValueError(
+                "The data loader state was saved by the text loader, not a pre-tokenized one (it holds "
+                f"{', '.join(state_dict) or 'nothing'}); start the data afresh with "
+                "--checkpoint.exclude_from_loading dataloader"
+            )
+        epoch, consumed, micro, global_batch = (int(v) for v in state_dict["pretokenized"])
+        if micro and global_batch != self.global_batch:
+            raise ValueError(
+                f"The data loader state was taken in the middle of an optimizer step of {global_batch} "
+                f"sequences; resume it with that global batch size (this run's is {self.global_batch})"
+            )
+        self.epoch, self.consumed, self.micro = epoch, consumed, micro
+
+
+_worker: dict[str, Any] = {}
+
+
+def _init_worker(tokenizer_path: str, dtype: str, folder: str) -> None:
+    from torchtitan.datasets.tokenizer import Tokenizer
+
+    _worker.update(tokenizer=Tokenizer(tokenizer_path), dtype=DTYPES[dtype], folder=Path(folder))
+
+
+def _write_shard(index: int, texts: list[str]) -> dict[str, Any]:
+    """Tokenize a contiguous range of documents into shard `index`; its entry in the manifest."""
+    encode, dtype = _worker["tokenizer"].encode, _worker["dtype"]
+    docs = [np.array(encode(text, bos=True, eos=True), dtype=dtype) for text in texts]
+    offsets = np.cumsum([0] + [len(d) for d in docs], dtype=np.int64)
+    tokens_name, offsets_name = shard_names(index)
+    np.concatenate(docs or [np.empty(0, dtype)]).tofile(_worker["folder"] / tokens_name)
+    np.save(_worker["folder"] / offsets_name, offsets)
+    return {
+        "tokens": tokens_name,
+        "offsets": offsets_name,
+        "num_tokens": int(offsets[-1]),
+        "num_documents": len(docs),
+    }
+
+
+def pretokenize(
+    texts: Iterator[list[str]],
+    tokenizer_path: str,
+    vocab_size: int,
+    output: Path,
+    workers: int,
+    source: dict[str, Any],
+    total_documents: int | None = None,
+) -> dict[str, Any]:
+    """Write the pre-tokenized folder `output` from `texts` (one list of documents per shard) with
+    `workers` processes; returns its manifest. Shards are cut by document count, not by worker, so the
+    output is the same for any number of workers. It is written to a temporary folder renamed at the end:
+    an interrupted run leaves no `output` behind."""
+    from tqdm import tqdm
+
+    if output.exists():
+        raise FileExistsError(f"{output} exists; choose a new --output folder or remove it")
+    dtype = token_dtype(vocab_size)
+    tmp = output.with_name(f"{output.name}.tmp-{os.getpid()}")
+    tmp.mkdir(parents=True)
+    shards: list[dict[str, Any]] = []
+    try:
+        progress = tqdm(total=total_documents, unit="doc", desc="pretokenize", dynamic_ncols=True)
+        init = (tokenizer_path, dtype, str(tmp))
+        with multiprocessing.Pool(workers, initializer=_init_worker, initargs=init) as pool, progress:
+            pending: deque = deque()
+
+            def collect() -> None:
+                shards.append(pending.popleft().get())
+                progress.update(shards[-1]["num_documents"])
+                progress.set_postfix(tokens=f"{sum(s['num_tokens'] for s in shards):,}")
+
+            for index, batch in enumerate(texts):
+                pending.append(pool.apply_async(_write_shard, (index, batch)))
+                if len(pending) > 2 * workers:  # bounded: the reader stays a few shards ahead
+                    collect()
+            while pending:
+                collect()
+        manifest = {
+            "format": "torchtitan pre-tokenized",
+            "version": FORMAT_VERSION,
+            "tokenizer": {
+                "path": tokenizer_path,
+                "sha256": file_sha256(tokenizer_path),
+                "vocab_size": vocab_size,
+            },
+            "dtype": dtype,
+            "source": source,
+            "num_documents": sum(s["num_documents"] for s in shards),
+            "num_tokens": sum(s["num_tokens"] for s in shards),
+            "shards": shards,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        os.rename(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
