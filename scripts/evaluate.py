@@ -62,7 +62,7 @@ def evaluate(job_config: JobConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_job(evaluate, argv)
+    return run_job(evaluate, argv, owns_dump_folder=False)  # it only reads: a running job may hold it
 
 
 if __name__ == "__main__":

@@ -236,6 +236,14 @@ CASES = [
     Case("malformed toml", toml("[training\nsteps = 1\n"), "is not valid TOML"),
     Case("section not a table", toml("training = 3\n"), "[training] must be a table"),
     Case(
+        "config file is a folder", empty_folder("--job.config_file"), "empty' is a folder; give a TOML file"
+    ),
+    Case(
+        "config file not UTF-8",
+        with_file("--job.config_file", "job.toml", b"[training]\nsteps = 3 # \xff\xfe\n"),
+        "job.toml' is not UTF-8 text",
+    ),
+    Case(
         "missing config file",
         args("--job.config_file", "/nonexistent/job.toml"),
         "job.config_file: no such file",
@@ -324,7 +332,7 @@ CASES = [
     Case(
         "shard degree vs world size",
         args("--parallelism.data_parallel_shard_degree", "4"),
-        "degrees multiply to 4",
+        "degrees multiply to 4 (data_parallel_replicate_degree 1 x data_parallel_shard_degree 4",
     ),
     # The dump folder
     Case("dump folder is a file", dump_elsewhere(file_at), "job.dump_folder: "),
@@ -336,7 +344,7 @@ CASES = [
     Case(
         "dump folder not writable",
         dump_elsewhere(lambda tmp: Path("/proc/titan-run")),
-        "job.dump_folder: cannot",
+        "job.dump_folder: cannot write in /proc/titan-run (its parent /proc is not writable)",
     ),
     Case("checkpoint folder is a file", checkpoint_folder_is_file, "checkpoint.folder: "),
     # Checkpoints

@@ -445,8 +445,18 @@ def load_toml(path: str) -> dict[str, Any]:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"job.config_file: no such file {path!r}") from None
+    except IsADirectoryError:
+        raise ConfigError(
+            f"job.config_file: {path!r} is a folder; give a TOML file, e.g. a recipe in train_configs/"
+        ) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"job.config_file: {path!r} is not UTF-8 text ({e.reason} at byte {e.start})"
+        ) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"job.config_file: {path} is not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"job.config_file: cannot read {path!r} ({e.strerror})") from None
 
 
 def from_dict(data: dict[str, Any]) -> JobConfig:

@@ -50,7 +50,10 @@ class ParallelDims:
             if self.world_size % others:
                 raise ConfigError(
                     f"parallelism: the world size {self.world_size} is not divisible by the product of the "
-                    f"other degrees ({others}); change the degrees or the number of processes (NGPU)"
+                    f"other degrees ({others} = data_parallel_replicate_degree {self.dp_replicate} x "
+                    f"tensor_parallel_degree {self.tp} x pipeline_parallel_degree {self.pp}); change "
+                    "parallelism.tensor_parallel_degree, pipeline_parallel_degree or "
+                    "data_parallel_replicate_degree, or the number of processes (NGPU)"
                 )
             self.dp_shard = self.world_size // others
         if self.dp_shard < 1:
@@ -59,9 +62,10 @@ class ParallelDims:
             )
         if self.dp_shard * others != self.world_size:
             raise ConfigError(
-                f"parallelism: degrees multiply to {self.dp_shard * others} "
-                f"(replicate {self.dp_replicate} x shard {self.dp_shard} x tp {self.tp} x pp {self.pp}) "
-                f"but the world size is {self.world_size}; set data_parallel_shard_degree = -1 or change NGPU"
+                f"parallelism: degrees multiply to {self.dp_shard * others} (data_parallel_replicate_degree "
+                f"{self.dp_replicate} x data_parallel_shard_degree {self.dp_shard} x tensor_parallel_degree "
+                f"{self.tp} x pipeline_parallel_degree {self.pp}) but the world size is {self.world_size}; "
+                "set parallelism.data_parallel_shard_degree = -1 or change NGPU"
             )
 
     @property

@@ -11,6 +11,7 @@ from torchtitan.checkpoint_folder import check_initial_load_path, check_load_ste
 from torchtitan.config_manager import ConfigError, JobConfig, parse_args, resolve_path
 from torchtitan.config_rules import check_layout, check_lr_schedule
 from torchtitan.models import flavor_args
+from torchtitan.reliability.dump_lock import check_unlocked
 from torchtitan.reliability.errors import EXIT_BAD_INPUT, EXIT_OK, debug_enabled
 
 
@@ -60,13 +61,19 @@ def _check_writable_folder(option: str, folder: str) -> None:
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise ConfigError(f"{option}: {existing} is a file, not a folder; set {option} to a folder")
+        inside = "" if existing == os.path.abspath(folder) else f" (it is inside {existing})"
+        raise ConfigError(f"{option}: {folder} is a file, not a folder{inside}; set {option} to a folder")
     try:
         with tempfile.TemporaryDirectory(prefix=".titan-write-test-", dir=existing):
             pass
     except OSError as e:
+        where = (
+            folder
+            if existing == os.path.abspath(folder)
+            else f"{folder} (its parent {existing} is not writable)"
+        )
         raise ConfigError(
-            f"{option}: cannot write in {existing} ({e.strerror}); set {option} to a writable folder"
+            f"{option}: cannot write in {where} ({e.strerror}); set {option} to a writable folder"
         ) from None
 
 
@@ -93,7 +100,9 @@ def main(argv: list[str]) -> int:
             return EXIT_BAD_INPUT
         world_size, argv = int(argv[1]), argv[2:]
     try:
-        check_job(parse_args(argv), world_size)
+        job_config = parse_args(argv)
+        check_job(job_config, world_size)
+        check_unlocked(job_config.job.dump_folder)
     except ConfigError as e:
         if debug_enabled():
             raise

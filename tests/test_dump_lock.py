@@ -1,0 +1,90 @@
+"""One job per dump folder: a second launch is refused in seconds while the first trains on; a lock
+left by a dead job is taken over."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from launch import ROOT, TINY_JOB, read_metrics, run_train_in_process
+
+from torchtitan.config_manager import ConfigError
+from torchtitan.reliability.dump_lock import LOCK_NAME, STALE_SECONDS, DumpFolderLock, check_unlocked
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def write_lock(folder, host: str, pid: int, age: float = 0.0) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / LOCK_NAME
+    path.write_text(json.dumps({"host": host, "pid": pid, "since": time.time() - age}))
+    os.utime(path, (time.time() - age, time.time() - age))
+
+
+def test_lock_is_exclusive_and_released(tmp_path):
+    with (
+        DumpFolderLock(str(tmp_path / "run")),
+        pytest.raises(ConfigError, match=rf"is in use by another job \(host {socket.gethostname()}, pid"),
+    ):
+        DumpFolderLock(str(tmp_path / "run"))
+    check_unlocked(str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()  # made for the lock, left empty: removed again
+
+
+@pytest.mark.parametrize(
+    "host, age, taken_over",
+    [
+        ("here", 0, True),  # a dead pid on this host (kill -9)
+        ("other-node", STALE_SECONDS + 60, True),  # another host's lock without a heartbeat
+        ("other-node", 10, False),  # another host's live job
+    ],
+)
+def test_stale_lock_is_taken_over(tmp_path, host, age, taken_over):
+    write_lock(tmp_path, socket.gethostname() if host == "here" else host, dead_pid(), age)
+    if not taken_over:
+        with pytest.raises(ConfigError, match="host other-node"):
+            DumpFolderLock(str(tmp_path))
+        return
+    with DumpFolderLock(str(tmp_path)) as lock:
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid() == lock.holder.pid
+
+
+def test_second_launch_is_refused_while_the_first_trains_on(tmp_path):
+    dump = tmp_path / "dump"
+    job = [*TINY_JOB, "--training.steps", "200", "--job.dump_folder", str(dump)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    first = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *job], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.time() + 120
+        while not (dump / LOCK_NAME).exists():
+            assert first.poll() is None and time.time() < deadline, "the first job never took the lock"
+            time.sleep(0.2)
+        start = time.time()
+        second = subprocess.run(
+            [str(ROOT / "run_llama_train.sh"), *job[2:]],
+            env={**env, "NGPU": "1"},
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+        )
+        assert time.time() - start < 30
+        assert second.returncode == 2, second.stderr
+        assert f"is in use by another job (host {socket.gethostname()}, pid {first.pid}" in second.stderr
+        assert second.stderr.count("\n") == 1, second.stderr
+        # A worker started without the preflight (torchrun train.py) is refused by rank 0's lock.
+        assert run_train_in_process(*job) == 2
+        assert first.poll() is None, "the refused launches disturbed the first job"
+    finally:
+        assert first.wait(timeout=300) == 0
+    assert [m["step"] for m in read_metrics(dump)] == list(range(1, 201))
+    assert not (dump / LOCK_NAME).exists()
