@@ -435,23 +435,22 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
 
 
 def load_toml(path: str) -> dict[str, Any]:
+    from torchtitan.reliability.paths import check_file, shown  # here: paths.py imports ConfigError
+
+    fix = "give a TOML file, e.g. a recipe in train_configs/"
+    check_file("job.config_file", path, text=True, fix=fix, allow_empty=True)
+    what = f"job.config_file: {shown(path)}"
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"job.config_file: no such file {path!r}") from None
-    except IsADirectoryError:
-        raise ConfigError(
-            f"job.config_file: {path!r} is a folder; give a TOML file, e.g. a recipe in train_configs/"
-        ) from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(
-            f"job.config_file: {path!r} is not UTF-8 text ({e.reason} at byte {e.start})"
-        ) from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"job.config_file: {path} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:  # past the part check_file reads
+        raise ConfigError(f"{what} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except ValueError as e:  # TOMLDecodeError, or an integer of more than 4300 digits
+        raise ConfigError(f"{what} is not valid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{what} is not valid TOML: arrays or tables nested too deeply") from None
     except OSError as e:
-        raise ConfigError(f"job.config_file: cannot read {path!r} ({e.strerror})") from None
+        raise ConfigError(f"{what}: cannot read it ({e.strerror})") from None
 
 
 def from_dict(data: dict[str, Any]) -> JobConfig:
