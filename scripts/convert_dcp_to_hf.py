@@ -18,8 +18,11 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, uninstalled
 
 from torchtitan.checkpoint import read_model_weights  # noqa: E402
+from torchtitan.config_manager import ConfigError  # noqa: E402
 from torchtitan.models.llama import ModelArgs, llama2_configs, llama3_configs  # noqa: E402
 from torchtitan.models.llama.hf_convert import hf_config, to_hf  # noqa: E402
+from torchtitan.reliability.errors import run_with_exit_codes  # noqa: E402
+from torchtitan.reliability.paths import check_checkpoint, check_writable_folder  # noqa: E402
 
 MODEL_CONFIGS = {"llama2": llama2_configs, "llama3": llama3_configs}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -32,10 +35,12 @@ def convert(
     dtype: torch.dtype | None = None,
     max_position_embeddings: int = 8192,
 ) -> None:
+    check_checkpoint("checkpoint", checkpoint)
+    check_writable_folder("output", output)
     weights = read_model_weights(checkpoint)
     dim = weights["tok_embeddings.weight"].shape[1]
     if dim != model_args.dim:
-        raise SystemExit(f"error: the checkpoint's model has dim {dim}, the flavor {model_args.dim}")
+        raise ConfigError(f"--flavor: the checkpoint's model has dim {dim}, the flavor {model_args.dim}")
     if dtype is not None:
         weights = {name: w.to(dtype) for name, w in weights.items()}
     n_kv_heads = model_args.n_kv_heads or model_args.n_heads
@@ -46,7 +51,12 @@ def convert(
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """The exit code (errors.py's): 2 and one line for a bad argument or checkpoint."""
+    return run_with_exit_codes(lambda: run(argv))
+
+
+def run(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -65,7 +75,8 @@ def main(argv: list[str] | None = None) -> None:
     dtype = DTYPES[args.dtype] if args.dtype else None
     convert(args.checkpoint, args.output, flavors[args.flavor], dtype, args.max_position_embeddings)
     print(f"wrote {args.output}/config.json and model.safetensors")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

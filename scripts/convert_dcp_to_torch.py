@@ -17,11 +17,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, uninstalled
 
+from torchtitan.reliability.errors import run_with_exit_codes  # noqa: E402
+from torchtitan.reliability.paths import check_checkpoint, check_output_file  # noqa: E402
 from torchtitan.reliability.safe_dcp import SafeReader, read_checkpoint  # noqa: E402
 
 
 def convert(checkpoint: str, output: str) -> None:
     """Save the checkpoint's items nested as they were saved ({"model": {"norm.weight": ...}, ...})."""
+    check_checkpoint("checkpoint", checkpoint)
+    check_output_file("output", output)
     paths = SafeReader(checkpoint).read_metadata().planner_data  # flattened key -> path in the nesting
     state: dict[str, Any] = {}
     for key, value in read_checkpoint(checkpoint).items():
@@ -33,7 +37,12 @@ def convert(checkpoint: str, output: str) -> None:
     torch.save(state, output)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """The exit code (errors.py's): 2 and one line for a bad argument or checkpoint."""
+    return run_with_exit_codes(lambda: run(argv))
+
+
+def run(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -42,7 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     convert(args.checkpoint, args.output)
     print(f"wrote {args.output}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

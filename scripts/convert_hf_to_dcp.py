@@ -9,6 +9,7 @@ The run's model.flavor and tokenizer must match the HF model; the run checks the
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -17,16 +18,38 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, uninstalled
 
+from torchtitan.config_manager import ConfigError  # noqa: E402
 from torchtitan.models.llama.hf_convert import from_hf  # noqa: E402
+from torchtitan.reliability.errors import run_with_exit_codes  # noqa: E402
+from torchtitan.reliability.paths import check_file, check_folder, check_writable_folder  # noqa: E402
+
+FIX = "give a Hugging Face model folder (config.json and *.safetensors)"
+
+
+def read_config(hf_folder: str) -> dict:
+    """The HF config, with the keys the conversion needs."""
+    config_path = os.path.join(hf_folder, "config.json")
+    check_file("hf_folder", config_path, text=True, fix=FIX)
+    try:
+        config = json.loads(Path(config_path).read_text())
+    except ValueError as e:  # malformed, or not UTF-8 past the part check_file reads
+        raise ConfigError(f"hf_folder: {config_path} is not valid JSON ({e})") from None
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads"):
+        if not isinstance(config, dict) or not isinstance(config.get(key), int):
+            raise ConfigError(f"hf_folder: {config_path} has no integer {key}; {FIX}")
+    return config
 
 
 def convert(hf_folder: str, output: str) -> dict:
     """Write the DCP checkpoint; returns the HF config."""
-    folder = Path(hf_folder)
-    config = json.loads((folder / "config.json").read_text())
-    files = sorted(folder.glob("*.safetensors"))
+    check_folder("hf_folder", hf_folder, fix=FIX)
+    config = read_config(hf_folder)
+    files = sorted(Path(hf_folder).glob("*.safetensors"))
     if not files:
-        raise SystemExit(f"error: no .safetensors files in {folder}")
+        raise ConfigError(f"hf_folder: no .safetensors files in {hf_folder}; {FIX}")
+    for file in files:
+        check_file("hf_folder", str(file), fix=FIX)
+    check_writable_folder("output", output)
     hf_weights = {}
     for file in files:
         hf_weights.update(load_file(file))
@@ -36,7 +59,12 @@ def convert(hf_folder: str, output: str) -> dict:
     return config
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
+    """The exit code (errors.py's): 2 and one line for a bad argument or model folder."""
+    return run_with_exit_codes(lambda: run(argv))
+
+
+def run(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -47,9 +75,10 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"wrote {args.output}: dim {config['hidden_size']}, {config['num_hidden_layers']} layers, "
         f"{config['num_attention_heads']} heads ({config.get('num_key_value_heads')} kv), "
-        f"vocab {config['vocab_size']}, rope_theta {config.get('rope_theta')}"
+        f"vocab {config.get('vocab_size')}, rope_theta {config.get('rope_theta')}"
     )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from torchtitan.config_manager import ConfigError, parse_args  # noqa: E402
 from torchtitan.memory_estimation.measure import measure  # noqa: E402
 from torchtitan.memory_estimation.report import estimate  # noqa: E402
+from torchtitan.reliability.errors import run_with_exit_codes  # noqa: E402
 
 
 def split_config_files(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -54,30 +55,30 @@ def split_config_files(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """The exit code (errors.py's): 2 and one line for a bad option or file."""
+    return run_with_exit_codes(lambda: run(sys.argv[1:] if argv is None else argv))
+
+
+def run(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
     warnings.filterwarnings("ignore", message=".*Profiler won't be using warmup.*")
     # DTensor's advice to flatten the mesh for the gradient norm's all-reduces: once per process.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    try:
-        files, rest = split_config_files([a for a in argv if a not in ("--measure", "--full")])
-        configs = [parse_args(["--job.config_file", f, *rest]) for f in files] or [parse_args(rest)]
-        for job_config in configs:  # a training step's memory (an evaluation's forward holds less)
-            job_config.validation.enable = False
-        if "--measure" in argv:
-            if len(configs) > 1:
-                raise ConfigError("--measure: give one --job.config_file")
-            measure(configs[0])
-            return 0
-        ngpu = os.environ.get("NGPU", "8")
-        if not ngpu.isdigit() or int(ngpu) < 1:
-            raise ConfigError(f"NGPU: expected a positive number of ranks, got {ngpu!r}")
-        estimate(configs, int(ngpu), full="--full" in argv)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    files, rest = split_config_files([a for a in argv if a not in ("--measure", "--full")])
+    configs = [parse_args(["--job.config_file", f, *rest]) for f in files] or [parse_args(rest)]
+    for job_config in configs:  # a training step's memory (an evaluation's forward holds less)
+        job_config.validation.enable = False
+    if "--measure" in argv:
+        if len(configs) > 1:
+            raise ConfigError("--measure: give one --job.config_file")
+        measure(configs[0])
+        return 0
+    ngpu = os.environ.get("NGPU", "8")
+    if not (ngpu.isascii() and ngpu.isdigit()) or int(ngpu) < 1:
+        raise ConfigError(f"NGPU: expected a positive number of ranks, got {ngpu!r}")
+    estimate(configs, int(ngpu), full="--full" in argv)
     return 0
 
 

@@ -25,6 +25,9 @@ from torchtitan.config_manager import ConfigError, JobConfig, parse_args, resolv
 from torchtitan.datasets.tokenizer import Tokenizer  # noqa: E402
 from torchtitan.models import build_model_args  # noqa: E402
 from torchtitan.models.llama.model import Transformer  # noqa: E402
+from torchtitan.reliability.errors import run_with_exit_codes  # noqa: E402
+from torchtitan.reliability.paths import check_folder  # noqa: E402
+from torchtitan.reliability.preflight import check_model_files  # noqa: E402
 from torchtitan.reliability.safe_dcp import SafeLoadPlanner, SafeReader, saved_entries  # noqa: E402
 
 
@@ -105,33 +108,41 @@ def generate(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The exit code (errors.py's): 2 and one line for a bad option, file or checkpoint."""
+    return run_with_exit_codes(lambda: run(sys.argv[1:] if argv is None else argv))
+
+
+def check_sampling(parser: argparse.ArgumentParser, args: argparse.Namespace, job_argv: list[str]) -> None:
+    """The sampling options; what is left must be train.py's, which all have a section: --section.key."""
+    for arg in job_argv:
+        name = arg[2:].split("=", 1)[0]
+        if arg.startswith("--") and "." not in name:
+            own = [a.dest for a in parser._actions if a.dest != "help"]
+            match = difflib.get_close_matches(name, own, n=1)
+            hint = f"did you mean --{match[0]}?" if match else f"valid: --{', --'.join(own)}"
+            raise ConfigError(f"unknown option --{name}; {hint}")
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max_new_tokens: must be >= 1, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise ConfigError(f"--temperature: must be >= 0, got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        raise ConfigError(f"--top_k: must be >= 1, got {args.top_k}")
+
+
+def run(argv: list[str]) -> int:
     parser = build_parser()
-    argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         parser.print_help()
         return 0
     args, job_argv = parser.parse_known_args(argv)
-    try:
-        for arg in job_argv:  # train.py's options all have a section: --section.key
-            name = arg[2:].split("=", 1)[0]
-            if arg.startswith("--") and "." not in name:
-                own = [a.dest for a in parser._actions if a.dest != "help"]
-                match = difflib.get_close_matches(name, own, n=1)
-                hint = f"did you mean --{match[0]}?" if match else f"valid: --{', --'.join(own)}"
-                raise ConfigError(f"unknown option --{name}; {hint}")
-        if args.max_new_tokens < 1:
-            raise ConfigError(f"--max_new_tokens: must be >= 1, got {args.max_new_tokens}")
-        if args.temperature < 0:
-            raise ConfigError(f"--temperature: must be >= 0, got {args.temperature}")
-        if args.top_k is not None and args.top_k < 1:
-            raise ConfigError(f"--top_k: must be >= 1, got {args.top_k}")
-        job_config = parse_args(job_argv)
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        tokenizer = Tokenizer(resolve_path(job_config.model.tokenizer_path))
-        model = load_model(job_config, tokenizer, device)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    check_sampling(parser, args, job_argv)
+    job_config = parse_args(job_argv)
+    check_model_files(job_config)
+    if os.path.lexists(job_config.job.dump_folder):
+        check_folder("job.dump_folder", job_config.job.dump_folder)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = Tokenizer(resolve_path(job_config.model.tokenizer_path))
+    model = load_model(job_config, tokenizer, device)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     prompt = tokenizer.encode(args.prompt, bos=True, eos=False)
     new = generate(

@@ -13,8 +13,14 @@ A run directory may also be given as its metrics.jsonl.
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from torchtitan.config_manager import ConfigError  # noqa: E402
+from torchtitan.reliability.errors import run_with_exit_codes  # noqa: E402
+from torchtitan.reliability.paths import check_file, check_output_file  # noqa: E402
 
 # (metrics.jsonl key, panel title) for the 2 x 2 grid.
 PANELS = [
@@ -25,20 +31,14 @@ PANELS = [
 ]
 
 
-class MetricsError(ValueError):
-    """A missing or unreadable metrics file."""
-
-
-def load_metrics(run: str) -> dict[int, dict]:
+def load_metrics(run: str, argument: str = "RUN_DIR") -> dict[int, dict]:
     """Records by step, a step's training and validation records merged. A resumed run appends to
     the file, so a step logged twice keeps its latest values: the ones the resumed run wrote."""
-    path = Path(run)
-    if path.is_dir():
-        path = path / "metrics.jsonl"
-    if not path.is_file():
-        raise MetricsError(f"{run}: no metrics.jsonl there (give a run's job.dump_folder or the file)")
+    path = os.path.join(run, "metrics.jsonl") if os.path.isdir(run) else run
+    fix = "no metrics.jsonl there (give a run's job.dump_folder or the file)"
+    check_file(argument, path, text=True, fix=fix, allow_empty=True)
     records = {}
-    with path.open() as f:
+    with open(path, errors="replace") as f:  # a bad byte past the part check_file reads spoils one line
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -46,9 +46,9 @@ def load_metrics(run: str) -> dict[int, dict]:
                 record = json.loads(line)
                 records.setdefault(int(record["step"]), {}).update(record)
             except (ValueError, KeyError, TypeError) as e:
-                raise MetricsError(f"{path}, line {line_no}: not a metrics record ({e})") from None
+                raise ConfigError(f"{argument}: {path}, line {line_no}: not a metrics record ({e})") from None
     if not records:
-        raise MetricsError(f"{path}: no records")
+        raise ConfigError(f"{argument}: {path}: no records")
     return dict(sorted(records.items()))
 
 
@@ -81,6 +81,7 @@ def plot(runs: list[str], output: str):
     import matplotlib.pyplot as plt
 
     metrics = [load_metrics(r) for r in runs]
+    check_output_file("--output", output)
     fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True, constrained_layout=True)
     for (key, title), ax in zip(PANELS, axes.flat):
         for label, records in zip(run_labels(runs), metrics):
@@ -131,7 +132,7 @@ def compare_key(a: dict[int, dict], b: dict[int, dict], key: str, tol: float) ->
 def compare(run_a: str, run_b: str, tol: float) -> bool:
     """Print the per-step training and validation loss differences; True when every common step is
     within `tol` and both runs logged the same steps."""
-    a, b = load_metrics(run_a), load_metrics(run_b)
+    a, b = load_metrics(run_a, "RUN_A"), load_metrics(run_b, "RUN_B")
     verdicts = [compare_key(a, b, key, tol) for key in ("loss", "validation_loss")]
     failed = [detail for ok, detail in verdicts if not ok]
     if failed:
@@ -142,6 +143,11 @@ def compare(run_a: str, run_b: str, tol: float) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The exit code: 0, 1 for runs that differ, 2 and one line for a bad argument (errors.py's)."""
+    return run_with_exit_codes(lambda: run(argv))
+
+
+def run(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -158,13 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.runs and not args.compare:
         parser.error("give run directories to plot, or --compare RUN_A RUN_B")
-    try:
-        if args.compare:
-            return 0 if compare(*args.compare, args.tol) else 1
-        plot(args.runs, args.output)
-    except MetricsError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.compare:
+        return 0 if compare(*args.compare, args.tol) else 1
+    plot(args.runs, args.output)
     return 0
 
 

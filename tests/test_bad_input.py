@@ -175,6 +175,24 @@ def pretokenized(option: str, damage=None, texts: list[str] | None = None):
     return argv
 
 
+# What each kind of wrong path is made of, and the words of its error.
+WRONG_PATHS = {
+    "folder": (Path.mkdir, "is a folder, not a file"),
+    "file": (lambda path: path.write_text("x"), "is a file, not a folder"),
+    "dangling symlink": (lambda path: path.symlink_to(path.parent / "gone"), "is a symlink to {tmp}/gone"),
+    "fifo": (os.mkfifo, "is a FIFO"),
+    "not UTF-8": (lambda path: path.write_bytes("Genèse 1:1\n".encode("latin-1")), "is not UTF-8 text"),
+}
+
+
+def wrong_path(option: str, name: str, kind: str, *extra: str):
+    def argv(tmp, dump, trained):
+        WRONG_PATHS[kind][0](tmp / name)
+        return [*extra, option, str(tmp / name)]
+
+    return argv
+
+
 def edit_manifest(**changes):
     def damage(folder: Path) -> None:
         manifest = json.loads((folder / "manifest.json").read_text())
@@ -214,6 +232,26 @@ def pretokenized_cases(option: str, wrap=lambda make: make) -> list:
     ]
 
 
+def path_cases(option: str, name: str, kinds: list[str], *extra: str) -> list["Case"]:
+    """`option` given each kind of wrong path: one line naming the option and the path as given."""
+    message = f"{option[2:]}: {{tmp}}/{name} "
+    return [
+        Case(f"{option} {k}", wrong_path(option, name, k, *extra), message + WRONG_PATHS[k][1]) for k in kinds
+    ]
+
+
+ON = ("--validation.enable", "true")
+PATH_CASES = [
+    *path_cases("--job.config_file", "job.toml", ["dangling symlink", "fifo"]),
+    *path_cases("--model.tokenizer_path", "tok.model", ["dangling symlink", "fifo", "not UTF-8"]),
+    *path_cases("--training.dataset_path", "data.txt", ["dangling symlink", "fifo", "not UTF-8"]),
+    *path_cases(
+        "--validation.dataset_path", "held out.jsonl", ["dangling symlink", "fifo", "not UTF-8"], *ON
+    ),
+    *path_cases("--job.dump_folder", "dump 2", ["file", "dangling symlink", "fifo"]),
+    *path_cases("--checkpoint.initial_load_path", "step-1", ["file", "dangling symlink", "fifo"]),
+]
+
 CASES = [
     # The job file and the command line
     Case(
@@ -236,12 +274,14 @@ CASES = [
     Case("malformed toml", toml("[training\nsteps = 1\n"), "is not valid TOML"),
     Case("section not a table", toml("training = 3\n"), "[training] must be a table"),
     Case(
-        "config file is a folder", empty_folder("--job.config_file"), "empty' is a folder; give a TOML file"
+        "config file is a folder",
+        empty_folder("--job.config_file"),
+        "empty is a folder, not a file; give a TOML",
     ),
     Case(
         "config file not UTF-8",
         with_file("--job.config_file", "job.toml", b"[training]\nsteps = 3 # \xff\xfe\n"),
-        "job.toml' is not UTF-8 text",
+        "job.toml is not UTF-8 text",
     ),
     Case(
         "missing config file",
@@ -375,6 +415,7 @@ CASES = [
     Case("truncated data", damaged(lambda d, tmp: truncate(d / "__0_0.distcp")), "checkpoint: cannot load"),
     Case("code in metadata", damaged(evil_metadata), "posix.system has no place in a checkpoint's metadata"),
     Case("code in a saved item", damaged(evil_item), "is not plain data and is not loaded"),
+    *PATH_CASES,
 ]
 
 
@@ -394,7 +435,7 @@ def test_bad_input_is_one_line_and_changes_nothing(case, trained, tmp_path, caps
     # Ours is the last line; a library may have printed a progress bar or warning before it.
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and err.endswith(errors[0] + "\n"), err
-    assert case.message in errors[0], err
+    assert case.message.replace("{tmp}", str(tmp_path)) in errors[0], err
     assert "Traceback" not in err
     assert [folder_hashes(folder) for folder in watched] == before
     assert not (tmp_path / "pwned").exists(), "code from a checkpoint was run"

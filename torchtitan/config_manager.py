@@ -6,6 +6,7 @@ Precedence: command line > TOML file (`--job.config_file`) > declared default.
 
 import argparse
 import difflib
+import math
 import os
 import sys
 import types
@@ -326,6 +327,11 @@ def _type_name(tp: Any) -> str:
     return name + (" (optional)" if optional else "")
 
 
+def _shown(name: str) -> str:
+    """A user's name as given, or its repr where a newline or control character would break the line."""
+    return name if name.isprintable() else repr(name)
+
+
 def _closest(name: str, candidates: list[str]) -> str:
     match = difflib.get_close_matches(name, candidates, n=1)
     return f"; did you mean '{match[0]}'?" if match else f"; valid: {', '.join(candidates)}"
@@ -348,6 +354,10 @@ def _check_value(key: str, value: Any, tp: Any, meta: dict) -> Any:
         value = float(value)
     if not isinstance(value, base) or (base is int and isinstance(value, bool)):
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    if base is float and not math.isfinite(value):
+        raise ConfigError(f"{key}: {value!r} is not a finite number")
+    if base is int and not -(2**63) <= value < 2**63:  # TOML's range; beyond it arithmetic overflows floats
+        raise ConfigError(f"{key}: {value} does not fit in 64 bits")
     if meta["choices"] is not None and value not in meta["choices"]:
         raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, meta['choices']))}")
     if meta["min"] is not None and value < meta["min"]:
@@ -411,7 +421,7 @@ def _build_arg_parser() -> argparse.ArgumentParser:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:
-        raise ConfigError(message)
+        raise ConfigError(" ".join(message.split()))  # one line, even for an argument with a newline
 
 
 def parse_args(argv: list[str] | None = None) -> JobConfig:
@@ -426,7 +436,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     for arg in argv:
         if arg.startswith("--") and arg[2:].split("=", 1)[0] not in table:
             name = arg[2:].split("=", 1)[0]
-            raise ConfigError(f"unknown option --{name}{_closest(name, list(table))}")
+            raise ConfigError(f"unknown option --{_shown(name)}{_closest(name, list(table))}")
     overrides = vars(parser.parse_args(argv))
     config_file = overrides.pop("job.config_file", None)
     toml_data = load_toml(config_file) if config_file else {}
@@ -440,23 +450,22 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
 
 
 def load_toml(path: str) -> dict[str, Any]:
+    from torchtitan.reliability.paths import check_file, shown  # here: paths.py imports ConfigError
+
+    fix = "give a TOML file, e.g. a recipe in train_configs/"
+    check_file("job.config_file", path, text=True, fix=fix, allow_empty=True)
+    what = f"job.config_file: {shown(path)}"
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"job.config_file: no such file {path!r}") from None
-    except IsADirectoryError:
-        raise ConfigError(
-            f"job.config_file: {path!r} is a folder; give a TOML file, e.g. a recipe in train_configs/"
-        ) from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(
-            f"job.config_file: {path!r} is not UTF-8 text ({e.reason} at byte {e.start})"
-        ) from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"job.config_file: {path} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:  # past the part check_file reads
+        raise ConfigError(f"{what} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except ValueError as e:  # TOMLDecodeError, or an integer of more than 4300 digits
+        raise ConfigError(f"{what} is not valid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{what} is not valid TOML: arrays or tables nested too deeply") from None
     except OSError as e:
-        raise ConfigError(f"job.config_file: cannot read {path!r} ({e.strerror})") from None
+        raise ConfigError(f"{what}: cannot read it ({e.strerror})") from None
 
 
 def from_dict(data: dict[str, Any]) -> JobConfig:
@@ -466,14 +475,14 @@ def from_dict(data: dict[str, Any]) -> JobConfig:
     sections = _sections()
     for sec, values in data.items():
         if sec not in sections:
-            raise ConfigError(f"unknown TOML section [{sec}]{_closest(sec, list(sections))}")
+            raise ConfigError(f"unknown TOML section [{_shown(sec)}]{_closest(sec, list(sections))}")
         if not isinstance(values, dict):
             raise ConfigError(f"[{sec}] must be a table, got {type(values).__name__}")
         for name, value in values.items():
             key = f"{sec}.{name}"
             if key not in table:
                 keys = [k.split(".", 1)[1] for k in table if k.startswith(sec + ".")]
-                raise ConfigError(f"unknown option '{name}' in [{sec}]{_closest(name, keys)}")
+                raise ConfigError(f"unknown option {_shown(name)!r} in [{sec}]{_closest(name, keys)}")
             _, _, tp, meta = table[key]
             setattr(getattr(config, sec), name, _check_value(key, value, tp, meta))
     return config

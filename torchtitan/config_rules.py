@@ -66,7 +66,8 @@ def check_parallelism(job_config: JobConfig, parallel_dims: ParallelDims, model_
             f"{tp} (sequence parallelism splits the sequence); change one of them"
         )
     option = job_config.activation_checkpoint.selective_ac_option
-    if option != "op" and not (option.isdigit() and int(option) >= 1):
+    digits = option.isascii() and option.isdigit() and len(option) <= 9  # no "²", no 4300-digit int()
+    if option != "op" and not (digits and int(option) >= 1):
         raise ConfigError(
             f"activation_checkpoint.selective_ac_option: expected 'op' or a positive integer, got {option!r}"
         )

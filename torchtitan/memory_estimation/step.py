@@ -20,6 +20,7 @@ from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.parallelize_llama import parallelize_llama
 from torchtitan.parallelisms.pipeline_layout import num_microbatches, stage_layers
 from torchtitan.parallelisms.pipeline_llama import StageIO, split_model
+from torchtitan.reliability.errors import bad_input
 from torchtitan.train_step import TrainStep, autocast_context, parallelize_model
 
 
@@ -34,7 +35,8 @@ def vocab_size_of(cfg: JobConfig) -> int:
             f"model.tokenizer_path: no file {path}; give the vocabulary size instead, e.g. "
             "--model.vocab_size 128256 for Llama 3's tokenizer"
         )
-    return padded_vocab_size(cfg.model, Tokenizer(path).n_words)
+    with bad_input("model.tokenizer_path"):  # e.g. not a tokenizer file
+        return padded_vocab_size(cfg.model, Tokenizer(path).n_words)
 
 
 def pipeline_stage_io(

@@ -40,7 +40,7 @@ def stage_layers(job_config: JobConfig, n_layers: int) -> list[range]:
         option = "parallelism.pipeline_parallel_split_points"
         starts = []
         for point in points:
-            match = re.fullmatch(r"layers\.(\d+)", point)
+            match = re.fullmatch(r"layers\.([0-9]{1,9})", point)
             if not match or not 0 < int(match.group(1)) < n_layers:
                 raise ConfigError(
                     f"{option}: {point!r} is not a layer that can start a stage; "

@@ -105,14 +105,18 @@ def one_line_error(error: BaseException, rank: int, comm_config: CommConfig | No
     return (EXIT_COMM_FAILURE, message) if message else None
 
 
-def run_with_exit_codes(main: Callable[[], int], comm_config: Callable[[], CommConfig | None]) -> int:
+def run_with_exit_codes(
+    main: Callable[[], int], comm_config: Callable[[], CommConfig | None] | None = None
+) -> int:
     """Run an entry point under the contract: its return value, or the code of a known failure after
     its one line on stderr; unexpected errors (and any error with TITAN_DEBUG=1) propagate.
-    `comm_config` gives the job's comm section once parsed (None before), to name the timeout."""
+    `comm_config` gives the job's comm section once parsed (None before), to name the timeout; the
+    scripts that start no process group leave it out."""
     try:
         return main()
     except BaseException as e:  # DCP's CheckpointException is one; the others are re-raised
-        known = one_line_error(e, int(os.environ.get("RANK", "0")), comm_config())
+        comm = comm_config() if comm_config is not None else None
+        known = one_line_error(e, int(os.environ.get("RANK", "0")), comm)
         if known is None or debug_enabled():
             raise
         code, message = known
