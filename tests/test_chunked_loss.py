@@ -4,7 +4,16 @@ import pytest
 import torch
 from test_model import build
 
-from scripts.parity_matrix import AC_OP, CHUNKED_LOSS, COMPILE, FSDP_KNOBS, Layout, run_layout, run_reference
+from scripts.parity_matrix import (
+    AC_OP,
+    CHUNKED_LOSS,
+    COMPILE,
+    FSDP_KNOBS,
+    Layout,
+    run_layout,
+    run_reference,
+    tp,
+)
 from torchtitan.config_manager import ConfigError, parse_args
 from torchtitan.config_rules import check_layout
 from torchtitan.models.llama import ModelArgs
@@ -72,22 +81,28 @@ def test_autocast_projects_in_its_dtype():
 @pytest.mark.parametrize(
     "layout", [["--parallelism.tensor_parallel_degree", "2"], ["--parallelism.pipeline_parallel_degree", "2"]]
 )
-def test_tensor_and_pipeline_parallelism_are_refused(layout):
+def test_loss_parallel_and_pipeline_parallelism_are_refused(layout):
     job_config = parse_args(["--training.loss_chunk_tokens", "64", *layout])
     with pytest.raises(ConfigError, match="training.loss_chunk_tokens"):
         check_layout(job_config, world_size=2)
 
 
 CHUNKED_LAYOUTS = [
-    Layout("FSDP 2 + GA 2 + chunked loss, reshard always", 2, 1, 4, FSDP_KNOBS + CHUNKED_LOSS),
+    Layout(
+        "FSDP 2 x TP 2 (gathered logits) + GA 2 + chunked loss, reshard always",
+        4,
+        1,
+        4,
+        tp(2, loss_parallel=False) + FSDP_KNOBS + CHUNKED_LOSS,
+    ),
     Layout("compile + AC selective op + chunked loss", 1, 4, 4, COMPILE + AC_OP + CHUNKED_LOSS),
 ]
 
 
 def test_chunked_runs_match_the_unfused_single_process_run(tmp_path):
-    """train.py under torchrun: the chunked loss composed with FSDP (the root kept gathered), gradient
-    accumulation, compile and selective AC logs the losses, gradient norms and validation losses of
-    the unfused 1-process run."""
+    """train.py under torchrun: the chunked loss composed with FSDP (the root kept gathered), TP (the
+    projection gathered), gradient accumulation, compile and selective AC logs the losses, gradient
+    norms and validation losses of the unfused 1-process run."""
     reference = run_reference(tmp_path / "reference", 4, 10)
     for i, layout in enumerate(CHUNKED_LAYOUTS):
         result = run_layout(layout, tmp_path / str(i), 10, reference)

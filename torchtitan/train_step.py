@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.chunked_loss import chunked_cross_entropy
@@ -115,8 +116,11 @@ class TrainStep:
         model = self.model_parts[0]
         with self.autocast:
             if self.loss_chunk_tokens:
-                hidden = model(inputs, skip_output=True)
-                return self.chunked_loss(hidden, model.output.weight, labels, self.loss_chunk_tokens)
+                hidden, weight = model(inputs, skip_output=True), model.output.weight
+                if isinstance(weight, DTensor):
+                    # TP without loss parallel: each rank gathers the whole projection and scores every token.
+                    hidden, weight = hidden.full_tensor(), weight.full_tensor()
+                return self.chunked_loss(hidden, weight, labels, self.loss_chunk_tokens)
             logits = model(inputs)
         return self.loss_fn(logits, labels)
 
