@@ -13,6 +13,8 @@
 | pre-tokenized loader | one rank's memory-mapped loader tokens/s, in order or shuffled (worst) | >= 5M |
 | pretokenize | scripts/pretokenize.py's tokens/s with 2 workers / with 1 | > 1 |
 | compile | train.py's steady step time compiled / eager | < 1 |
+| chunked-loss memory | a step's peak memory with / without training.loss_chunk_tokens | saves >= logits |
+| chunked-loss step time | that step's time with / without training.loss_chunk_tokens | (reported) |
 
 Each part runs in a fresh process (train.py's main() disables GC, compiles, may start process
 groups), on the debug model, one process per rank, `--threads` intra-op threads each. train.py's
@@ -23,7 +25,9 @@ on the cores stretch wall time, not CPU time; on a quiet machine the two agree),
 printed beside. The hand-written loop runs in the same process as train.py, before and after
 it, timed the same way, on the same model, batch and optimizer, with one fixed batch and torch's
 own clip_grad_norm_.
-The checkpoint figure comes from scripts/benchmark_checkpoint.py (a 134M-parameter model).
+The checkpoint figure comes from scripts/benchmark_checkpoint.py (a 134M-parameter model); the
+chunked-loss figures from the trainer's TrainStep on the debug model with a 128256-token vocabulary
+on 2 x 2048 tokens in fp32, peaks as scripts/estimate_memory.py --measure takes them.
 Takes a few minutes on 2 CPU cores; on a GPU machine it runs on the GPU.
 """
 
@@ -45,6 +49,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "scripts"))
+import benchmark_memory  # noqa: E402
+
 from torchtitan.config_manager import parse_args  # noqa: E402
 
 TRAIN_ARGS = [
@@ -59,6 +66,7 @@ TRAIN_ARGS = [
     "--training.seq_len",
     "128",
 ]
+LOSS_CHUNK_TOKENS = 1024  # training.loss_chunk_tokens of the chunked-loss figures
 LOG_FREQ = 4  # steps per timed window
 STEADY_FROM = 2 * LOG_FREQ  # windows after this step are steady (compilation and warmup are over)
 WINDOWS = 8  # steady windows timed per run; the best one counts, as other processes add noise
@@ -251,53 +259,11 @@ def part_checkpoint(tmp: str) -> dict:
 
 
 def part_fsdp_memory(tmp: str) -> dict:
-    """Bytes of the parameters, gradients and optimizer state this rank holds after a training step,
-    built by the trainer's own parallelize_llama and build_optimizer (FSDP over all ranks)."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
+    return benchmark_memory.fsdp_memory(TRAIN_ARGS)
 
-    from torchtitan.datasets.tokenizer import Tokenizer
-    from torchtitan.models import build_model_args
-    from torchtitan.models.llama.model import Transformer
-    from torchtitan.optimizer import build_optimizer
-    from torchtitan.parallelisms.parallel_dims import ParallelDims
-    from torchtitan.parallelisms.parallelize_llama import parallelize_llama
 
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1:
-        dist.init_process_group("gloo")
-    job_config = parse_args(TRAIN_ARGS)
-    args = build_model_args(job_config, Tokenizer(ROOT / job_config.model.tokenizer_path).n_words)
-    dims = ParallelDims(dp_shard=-1, world_size=world_size)
-    with torch.device("meta"):
-        model = Transformer(args)
-    mesh = dims.build_mesh("cpu") if world_size > 1 else None
-    model = parallelize_llama(model, mesh, dims, job_config)
-    model.to_empty(device="cpu")
-    model.init_weights(seed=0)
-    optimizer = build_optimizer(model, job_config.optimizer)
-    tokens = torch.randint(0, args.vocab_size, (2, 33))
-    F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
-    optimizer.step()
-
-    def nbytes(t: torch.Tensor) -> int:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        return local.numel() * local.element_size()
-
-    params = list(model.parameters())
-    held = {
-        "params": sum(nbytes(p) for p in params),
-        "grads": sum(nbytes(p.grad) for p in params if p.grad is not None),
-        "optimizer": sum(nbytes(v) for s in optimizer.state.values() for v in s.values()),
-    }
-    gathered = [None] * world_size
-    if world_size > 1:
-        dist.all_gather_object(gathered, held)
-        dist.barrier()  # no rank tears gloo down while another still reads from it
-        dist.destroy_process_group()
-    else:
-        gathered = [held]
-    return {"ranks": gathered}
+def part_chunked_loss(tmp: str) -> dict:
+    return benchmark_memory.chunked_loss(TRAIN_ARGS, LOSS_CHUNK_TOKENS)
 
 
 PARTS = {
@@ -308,6 +274,7 @@ PARTS = {
     "pretokenized": part_pretokenized,
     "checkpoint": part_checkpoint,
     "fsdp_memory": part_fsdp_memory,
+    "chunked_loss": part_chunked_loss,
 }
 
 
@@ -456,6 +423,27 @@ def run_all(threads: int, tmp: str) -> dict:
         k["value"] < 1,
         f"compiled {ms(k['compiled'])}, eager {ms(k['eager'])}",
         k,
+    )
+
+    m = run_part("chunked_loss", tmp, threads)
+    unfused, chunked = m["unfused"]["peak"], m["chunked"]["peak"]
+    add(
+        "chunked-loss memory",
+        chunked / unfused,
+        "saves >= logits",
+        unfused - chunked >= m["logits_bytes"],
+        f"peak {chunked / 2**30:.2f} GiB with {LOSS_CHUNK_TOKENS}-token chunks, {unfused / 2**30:.2f} GiB "
+        f"without: saves {(unfused - chunked) / 2**30:.2f} GiB, the fp32 logits are "
+        f"{m['logits_bytes'] / 2**30:.2f} GiB (2 x 2048 tokens, vocabulary 128256)",
+        m,
+    )
+    add(
+        "chunked-loss step time",
+        step_ratio(m["chunked"], m["unfused"]),
+        "(reported)",
+        True,
+        f"chunked {ms(m['chunked'])}, unfused {ms(m['unfused'])}",
+        m,
     )
     return {"setup": setup, "figures": figures}
 

@@ -28,6 +28,7 @@ AC_FULL = ("--activation_checkpoint.mode", "full")
 AC_OP = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")
 AC_EVERY_2 = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2")
 COMPILE = ("--training.compile", "true")
+CHUNKED_LOSS = ("--training.loss_chunk_tokens", "48")  # divides neither 64- nor 128-token micro-batches
 TP_DEGREE = "--parallelism.tensor_parallel_degree"
 VALIDATION_BATCH = 4  # sequences per global validation batch, the same in every layout
 
@@ -101,6 +102,11 @@ MATRIX = [
     Layout("FSDP 2 x TP 2 + AC selective op", 4, 2, 4, tp(2) + AC_OP),
     Layout("compile", 1, 4, 4, COMPILE),
     Layout("compile + AC selective op", 1, 4, 4, COMPILE + AC_OP),
+    Layout("chunked loss (1 process)", 1, 4, 4, CHUNKED_LOSS),
+    Layout("DDP 2 + chunked loss", 2, 2, 4, replicate(2) + CHUNKED_LOSS),
+    Layout("TP 2 (SP, gathered logits) + chunked loss", 2, 4, 4, tp(2, loss_parallel=False) + CHUNKED_LOSS),
+    Layout("FSDP 2 + GA 2 + chunked loss, reshard always", 2, 1, 4, FSDP_KNOBS + CHUNKED_LOSS),
+    Layout("compile + AC selective op + chunked loss", 1, 4, 4, COMPILE + AC_OP + CHUNKED_LOSS),
 ]
 
 

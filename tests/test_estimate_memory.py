@@ -181,3 +181,11 @@ def test_big_model_estimate_shards_parameters_and_optimizer_state():
     assert optimizer == pytest.approx(2 * shard, rel=0.01)
     assert shard <= params < shard + 1.5  # plus the gathered bf16 blocks and root
     assert peak == pytest.approx(params + grads + optimizer + activations, abs=0.005)
+
+
+def test_chunked_loss_estimate_drops_the_logits():
+    """training.loss_chunk_tokens: the estimated peak falls by at least the fp32 logits of the batch
+    (4 x 256 tokens x 16384), which the unfused step holds with their log-softmax and gradient."""
+    ((*_, unfused),) = estimate(1)
+    ((*_, chunked),) = estimate(1, "--training.loss_chunk_tokens", "256")
+    assert unfused - chunked >= 4 * 256 * 16384 * 4 / GIB

@@ -124,6 +124,12 @@ class TrainingConfig:
     compile: bool = opt(
         False, "torch.compile each transformer block, and the loss unless it is computed loss-parallel"
     )
+    loss_chunk_tokens: int = opt(
+        0,
+        "Project the final hidden states and score them this many tokens at a time, in forward and "
+        "backward, so the full logits never exist (docs/performance.md); 0: project all at once",
+        min=0,
+    )
     skip_nonfinite_steps: bool = opt(
         False,
         "On a NaN/Inf gradient norm, skip the step (no optimizer step; counted as skipped_steps in "

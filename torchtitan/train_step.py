@@ -8,8 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from torchtitan.chunked_loss import chunked_cross_entropy
 from torchtitan.config_manager import JobConfig, TrainingConfig
 from torchtitan.config_rules import gradient_accumulation_steps
 from torchtitan.parallelisms.parallel_dims import ParallelDims
@@ -78,6 +80,9 @@ class TrainStep:
         # +3% tokens/s and -4 GiB on a 1B model (docs/performance.md).
         compile_loss = training_config.compile and not parallel_dims.loss_parallel_enabled
         self.loss_fn = torch.compile(loss_fn) if compile_loss else loss_fn
+        # The output projection and the loss a chunk of tokens at a time: no whole logits (chunked_loss.py).
+        self.loss_chunk_tokens = training_config.loss_chunk_tokens
+        self.chunked_loss = torch.compile(chunked_cross_entropy) if compile_loss else chunked_cross_entropy
 
     def forward_backward(self, batches: Iterator[Batch], microbatches: int | None = None) -> torch.Tensor:
         """Run the step's micro-batches (`microbatches`, default the accumulation steps) from `batches`;
@@ -103,12 +108,21 @@ class TrainStep:
     def _model_forward_backward(
         self, inputs: torch.Tensor, labels: torch.Tensor, microbatches: int
     ) -> torch.Tensor:
-        with self.autocast:
-            logits = self.model_parts[0](inputs)
-        loss = self.loss_fn(logits, labels)
-        del logits
+        loss = self._model_loss(inputs, labels)
         (loss / microbatches).backward()
         return loss
+
+    def _model_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        model = self.model_parts[0]
+        with self.autocast:
+            if self.loss_chunk_tokens:
+                hidden, weight = model(inputs, skip_output=True), model.output.weight
+                if isinstance(weight, DTensor):
+                    # TP without loss parallel: each rank gathers the whole projection and scores every token.
+                    hidden, weight = hidden.full_tensor(), weight.full_tensor()
+                return self.chunked_loss(hidden, weight, labels, self.loss_chunk_tokens)
+            logits = model(inputs)
+        return self.loss_fn(logits, labels)
 
     def _pipeline_forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # The logits are not returned: the last stage would keep every micro-batch's and concatenate.
@@ -132,7 +146,7 @@ class TrainStep:
             part.eval()
         losses = []
         for batch in batches:
-            with self.loss_context(), self.autocast:
+            with self.loss_context():
                 losses.append(self._forward_loss(*self._on_device(batch)))
         for part, mode in zip(self.model_parts, modes):
             part.train(mode)
@@ -140,11 +154,12 @@ class TrainStep:
 
     def _forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.pipeline is None:
-            return self.loss_fn(self.model_parts[0](inputs), labels)
+            return self._model_loss(inputs, labels)
         pipeline, losses = self.pipeline, []
         targets = labels if pipeline.has_last_stage else None
-        if pipeline.has_first_stage:
-            pipeline.schedule.eval(inputs, target=targets, losses=losses, return_outputs=False)
-        else:
-            pipeline.schedule.eval(target=targets, losses=losses, return_outputs=False)
+        with self.autocast:
+            if pipeline.has_first_stage:
+                pipeline.schedule.eval(inputs, target=targets, losses=losses, return_outputs=False)
+            else:
+                pipeline.schedule.eval(target=targets, losses=losses, return_outputs=False)
         return torch.stack(losses).mean() if pipeline.has_last_stage else torch.zeros((), device=self.device)

@@ -1,5 +1,7 @@
 """--measure: the same step run for real on this machine's devices, under torchrun."""
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, record_function
@@ -32,6 +34,26 @@ def run_step(step: SimulatedStep) -> None:
     step.optimizer_step()
 
 
+def measured_peak(build: Callable[[], SimulatedStep], device: torch.device) -> tuple[int, SimulatedStep]:
+    """Peak bytes allocated during the second step of the one `build` makes (its optimizer state is
+    made by the first), and the step: torch.cuda.max_memory_allocated, or on CPU from the profiler's
+    memory events, the step built under the profiler so that its parameters are counted."""
+    if device.type == "cuda":
+        step = build()
+        run_step(step)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        run_step(step)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated(), step
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step = build()
+        run_step(step)
+        with record_function("measured step"):
+            run_step(step)
+    return cpu_peak(prof, "measured step"), step
+
+
 def measure(cfg: JobConfig) -> None:
     """Run the step for real on this machine's devices (under torchrun) and print each rank's peak."""
     world_size, rank, device = init_distributed(cfg.comm.init_timeout_seconds)
@@ -39,22 +61,7 @@ def measure(cfg: JobConfig) -> None:
     parallel_dims = check_layout(cfg, world_size, device.type)
     world_mesh = parallel_dims.build_mesh(device.type) if world_size > 1 else None
     vocab = vocab_size_of(cfg)
-
-    if device.type == "cuda":
-        step = build_step(cfg, parallel_dims, world_mesh, device, vocab)
-        run_step(step)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        run_step(step)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        with torch.profiler.profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            step = build_step(cfg, parallel_dims, world_mesh, device, vocab)
-            run_step(step)
-            with record_function("measured step"):
-                run_step(step)
-        peak = cpu_peak(prof, "measured step")
+    peak, _ = measured_peak(lambda: build_step(cfg, parallel_dims, world_mesh, device, vocab), device)
     peaks = [peak]
     if world_size > 1:
         peaks = [None] * world_size

@@ -64,6 +64,8 @@ def parallelize_llama(
             reshard_after_forward=reshard,
             forward_prefetch=par.fsdp_forward_prefetch,
             backward_prefetch=par.fsdp_backward_prefetch,
+            # The chunked loss reads the output projection's weight after the root's forward.
+            keep_root_after_forward=job_config.training.loss_chunk_tokens > 0,
         )
     elif parallel_dims.dp_replicate_enabled:
         apply_ddp(model, world_mesh["dp_replicate"], mp_policy)
@@ -177,18 +179,21 @@ def apply_fsdp(
     reshard_after_forward: bool | str,
     forward_prefetch: int = 0,
     backward_prefetch: int = 0,
+    keep_root_after_forward: bool = False,
 ) -> None:
     """FSDP2: shard each transformer block, then the root (embeddings, final norm, output).
 
     `reshard_after_forward="all_but_last"` keeps the last block gathered: backward starts with it,
     so gathering it again right away would be wasted communication (FSDP never reshards the root
-    after forward by default, for the same reason). A prefetch count N makes each block all-gather
-    the next N blocks' parameters (the previous N in backward) instead of FSDP's implicit one."""
+    after forward by default, for the same reason; `keep_root_after_forward` makes that hold for any
+    setting). A prefetch count N makes each block all-gather the next N blocks' parameters (the
+    previous N in backward) instead of FSDP's implicit one."""
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         reshard = i < len(blocks) - 1 if reshard_after_forward == "all_but_last" else reshard_after_forward
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
     root_reshard = None if reshard_after_forward == "all_but_last" else reshard_after_forward
+    root_reshard = False if keep_root_after_forward else root_reshard
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=root_reshard)
     if forward_prefetch:
         model.set_modules_to_forward_prefetch(blocks[:forward_prefetch])

@@ -244,13 +244,14 @@ class Transformer(nn.Module):
             num -= self.tok_embeddings.weight.numel()
         return num
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, skip_output: bool = False) -> torch.Tensor:
         """tokens: (bs, seqlen) ids, or hidden states on a stage without `tok_embeddings`.
 
-        Returns float logits (bs, seqlen, vocab), or hidden states on a stage without `output`.
+        Returns float logits (bs, seqlen, vocab), or hidden states on a stage without `output` or
+        with `skip_output` (the loss then projects them itself, see torchtitan/chunked_loss.py).
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.freqs_cis)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h).float() if self.output is not None else h
+        return self.output(h).float() if self.output is not None and not skip_output else h

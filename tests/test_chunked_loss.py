@@ -1,0 +1,111 @@
+"""training.loss_chunk_tokens: the chunked output projection + cross entropy equals the unfused one."""
+
+import pytest
+import torch
+from test_model import build
+
+from scripts.parity_matrix import (
+    AC_OP,
+    CHUNKED_LOSS,
+    COMPILE,
+    FSDP_KNOBS,
+    Layout,
+    run_layout,
+    run_reference,
+    tp,
+)
+from torchtitan.config_manager import ConfigError, parse_args
+from torchtitan.config_rules import check_layout
+from torchtitan.models.llama import ModelArgs
+from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.train_step import TrainStep
+
+ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=131, max_seq_len=32)
+
+
+def step_of(chunk: int, global_batch: int = -1) -> tuple[torch.nn.Module, TrainStep]:
+    model = build(ARGS)
+    training = parse_args(
+        [
+            "--training.batch_size",
+            "2",
+            "--training.global_batch_size",
+            str(global_batch),
+            "--training.loss_chunk_tokens",
+            str(chunk),
+            "--training.mixed_precision_param",
+            "float32",
+        ]
+    ).training
+    return model, TrainStep(
+        [model], None, ParallelDims(dp_shard=1, world_size=1), training, torch.device("cpu")
+    )
+
+
+def batches(n: int):
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(n):
+        tokens = torch.randint(0, ARGS.vocab_size, (2, 26), generator=generator)
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 50, 64])  # 50 tokens per micro-batch: 7 does not divide it
+def test_loss_and_gradients_equal_the_unfused_ones(chunk):
+    """Two micro-batches (gradient accumulation) of 2 x 25 tokens, fp32, on CPU."""
+    losses, grads = {}, {}
+    for c in (0, chunk):
+        model, step = step_of(c, global_batch=4)
+        losses[c] = step.forward_backward(batches(2))
+        grads[c] = {name: p.grad for name, p in model.named_parameters()}
+        assert all(g is not None for g in grads[c].values())
+    torch.testing.assert_close(losses[chunk], losses[0], atol=1e-6, rtol=0)
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[chunk][name], grad, atol=1e-6, rtol=0, msg=name)
+
+
+def test_evaluation_equals_the_unfused_one():
+    (_, unfused), (_, chunked) = step_of(0), step_of(7)
+    torch.testing.assert_close(chunked.evaluate(batches(2))[0], unfused.evaluate(batches(2))[0])
+
+
+def test_autocast_projects_in_its_dtype():
+    """Under autocast the chunks' matmuls run in bf16, as the output projection's do."""
+    _, step = step_of(7)
+    step.autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    inputs, labels = next(batches(1))
+    chunked = step._model_loss(inputs, labels)
+    step.loss_chunk_tokens = 0
+    torch.testing.assert_close(chunked, step._model_loss(inputs, labels), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "layout", [["--parallelism.tensor_parallel_degree", "2"], ["--parallelism.pipeline_parallel_degree", "2"]]
+)
+def test_loss_parallel_and_pipeline_parallelism_are_refused(layout):
+    job_config = parse_args(["--training.loss_chunk_tokens", "64", *layout])
+    with pytest.raises(ConfigError, match="training.loss_chunk_tokens"):
+        check_layout(job_config, world_size=2)
+
+
+CHUNKED_LAYOUTS = [
+    Layout(
+        "FSDP 2 x TP 2 (gathered logits) + GA 2 + chunked loss, reshard always",
+        4,
+        1,
+        4,
+        tp(2, loss_parallel=False) + FSDP_KNOBS + CHUNKED_LOSS,
+    ),
+    Layout("compile + AC selective op + chunked loss", 1, 4, 4, COMPILE + AC_OP + CHUNKED_LOSS),
+]
+
+
+def test_chunked_runs_match_the_unfused_single_process_run(tmp_path):
+    """train.py under torchrun: the chunked loss composed with FSDP (the root kept gathered), TP (the
+    projection gathered), gradient accumulation, compile and selective AC logs the losses, gradient
+    norms and validation losses of the unfused 1-process run."""
+    reference = run_reference(tmp_path / "reference", 4, 10)
+    for i, layout in enumerate(CHUNKED_LAYOUTS):
+        result = run_layout(layout, tmp_path / str(i), 10, reference)
+        assert result.error is None, result.error
+        assert result.max_loss_diff <= 1e-5 and result.max_grad_norm_diff <= 1e-5, result
+        assert result.max_validation_diff <= 1e-5, result
