@@ -21,7 +21,8 @@ import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from torchtitan.checkpoint_folder import latest_checkpoint_path  # noqa: E402
-from torchtitan.config_manager import ConfigError, JobConfig, parse_args, resolve_path  # noqa: E402
+from torchtitan.config_manager import ConfigError, JobConfig, resolve_path  # noqa: E402
+from torchtitan.config_parser import parse_args  # noqa: E402
 from torchtitan.datasets.tokenizer import Tokenizer  # noqa: E402
 from torchtitan.models import build_model_args  # noqa: E402
 from torchtitan.models.llama.model import Transformer  # noqa: E402

@@ -14,7 +14,8 @@ from scripts.parity_matrix import (
     run_reference,
     tp,
 )
-from torchtitan.config_manager import ConfigError, parse_args
+from torchtitan.config_manager import ConfigError
+from torchtitan.config_parser import parse_args
 from torchtitan.config_rules import check_layout
 from torchtitan.models.llama import ModelArgs
 from torchtitan.parallelisms.parallel_dims import ParallelDims

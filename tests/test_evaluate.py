@@ -14,7 +14,7 @@ from launch import ROOT, TINY_JOB
 from test_convert import random_model
 
 from scripts import convert_dcp_to_hf, convert_hf_to_dcp
-from torchtitan.config_manager import parse_args
+from torchtitan.config_parser import parse_args
 from torchtitan.datasets.hf_datasets import build_hf_data_loader
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.models import build_model_args

@@ -20,7 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchtitan.datasets.tokenizer
 import torchtitan.distributed
-from torchtitan.config_manager import JobConfig, parse_args
+from torchtitan.config_manager import JobConfig
+from torchtitan.config_parser import parse_args
 from torchtitan.config_rules import gradient_accumulation_steps
 from torchtitan.distributed import clip_grad_norm_
 from torchtitan.models.init import clean_fqn

@@ -7,7 +7,8 @@ import os
 import sys
 
 from torchtitan.checkpoint_folder import check_initial_load_path, check_load_step, checkpoint_folder
-from torchtitan.config_manager import ConfigError, JobConfig, parse_args, resolve_path
+from torchtitan.config_manager import ConfigError, JobConfig, resolve_path
+from torchtitan.config_parser import parse_args
 from torchtitan.config_rules import check_layout, check_lr_schedule
 from torchtitan.models import flavor_args
 from torchtitan.reliability.dump_lock import check_unlocked

@@ -1,0 +1,204 @@
+"""Reading a job's options: the TOML file (`--job.config_file`), then the command-line overrides, each
+checked against its declaration in torchtitan/config_manager.py; `--help` lists them all.
+
+Precedence: command line > TOML file > declared default.
+"""
+
+import argparse
+import difflib
+import math
+import sys
+import types
+import typing
+from dataclasses import fields
+from typing import Any, Union
+
+from torchtitan.config_manager import ConfigError, JobConfig, default_of
+from torchtitan.reliability.paths import check_file, shown
+
+try:
+    import tomllib
+except ImportError:  # Python < 3.11
+    import tomli as tomllib
+
+
+def _sections() -> dict[str, type]:
+    return {s.name: s.type for s in fields(JobConfig)}
+
+
+def _base_type(tp: Any) -> tuple[type, bool]:
+    """(the concrete type, whether None is allowed) for `int`, `str | None` and the like."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+def _list_item_type(tp: Any) -> type | None:
+    """The item type of a `list[...]` option, None for a scalar one."""
+    return typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+
+
+def _type_name(tp: Any) -> str:
+    base, optional = _base_type(tp)
+    name = str(base) if _list_item_type(base) else base.__name__
+    return name + (" (optional)" if optional else "")
+
+
+def _shown(name: str) -> str:
+    """A user's name as given, or its repr where a newline or control character would break the line."""
+    return name if name.isprintable() else repr(name)
+
+
+def _closest(name: str, candidates: list[str]) -> str:
+    match = difflib.get_close_matches(name, candidates, n=1)
+    return f"; did you mean '{match[0]}'?" if match else f"; valid: {', '.join(candidates)}"
+
+
+def _check_value(key: str, value: Any, tp: Any, meta: dict) -> Any:
+    """Check a TOML value (already typed) against the declaration; ints are accepted for floats."""
+    base, optional = _base_type(tp)
+    if value is None and optional:
+        return None
+    item_type = _list_item_type(base)
+    if item_type is not None:
+        if not isinstance(value, list) or not all(isinstance(v, item_type) for v in value):
+            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        for v in value:
+            if meta["choices"] is not None and v not in meta["choices"]:
+                raise ConfigError(f"{key}: {v!r} is not one of {', '.join(map(str, meta['choices']))}")
+        return value
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, base) or (base is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    if base is float and not math.isfinite(value):
+        raise ConfigError(f"{key}: {value!r} is not a finite number")
+    if base is int and not -(2**63) <= value < 2**63:  # TOML's range; beyond it arithmetic overflows floats
+        raise ConfigError(f"{key}: {value} does not fit in 64 bits")
+    if meta["choices"] is not None and value not in meta["choices"]:
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, meta['choices']))}")
+    if meta["min"] is not None and value < meta["min"]:
+        raise ConfigError(f"{key}: {value!r} is below the minimum {meta['min']}")
+    return value
+
+
+def _parse_cli_value(key: str, text: str, tp: Any) -> Any:
+    base, optional = _base_type(tp)
+    if optional and text.lower() in ("none", "null", ""):
+        return None
+    if base is bool:
+        if text.lower() in ("true", "1", "yes"):
+            return True
+        if text.lower() in ("false", "0", "no"):
+            return False
+        raise ConfigError(f"--{key}: expected true or false, got {text!r}")
+    item_type = _list_item_type(base)
+    if item_type is not None:  # comma-separated; an empty string is the empty list
+        return [item_type(item.strip()) for item in text.split(",") if item.strip()]
+    try:
+        return base(text)
+    except ValueError:
+        raise ConfigError(f"--{key}: expected {base.__name__}, got {text!r}") from None
+
+
+def _option_table() -> dict[str, tuple[str, str, Any, dict]]:
+    """'section.key' -> (section, key, type, metadata) for every declared option."""
+    hints = {name: typing.get_type_hints(cls) for name, cls in _sections().items()}
+    return {
+        f"{sec}.{f.name}": (sec, f.name, hints[sec][f.name], f.metadata)
+        for sec, cls in _sections().items()
+        for f in fields(cls)
+    }
+
+
+def _build_arg_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="train.py",
+        usage="train.py [--job.config_file FILE] [--section.key VALUE | --section.key=VALUE ...]",
+        description="Pre-train a Llama model. Options come from the TOML file given by --job.config_file, "
+        "overridden by any --section.key VALUE given here.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    table = _option_table()
+    for sec, cls in _sections().items():
+        group = parser.add_argument_group(f"[{sec}]")
+        for f in fields(cls):
+            _, _, tp, meta = table[f"{sec}.{f.name}"]
+            extra = f"; one of {', '.join(map(str, meta['choices']))}" if meta["choices"] else ""
+            group.add_argument(
+                f"--{sec}.{f.name}",
+                dest=f"{sec}.{f.name}",
+                metavar=_type_name(tp).split()[0].upper(),
+                default=argparse.SUPPRESS,
+                help=f"{meta['help']} ({_type_name(tp)}, default: {default_of(f)!r}{extra})",
+            )
+    return parser
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError(" ".join(message.split()))  # one line, even for an argument with a newline
+
+
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    """Build the JobConfig from the command line (and the TOML file it names)."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = _build_arg_parser()
+    if any(a in ("-h", "--help") for a in argv):
+        parser.print_help()
+        raise SystemExit(0)
+    parser.__class__ = _Parser
+    table = _option_table()
+    for arg in argv:
+        if arg.startswith("--") and arg[2:].split("=", 1)[0] not in table:
+            name = arg[2:].split("=", 1)[0]
+            raise ConfigError(f"unknown option --{_shown(name)}{_closest(name, list(table))}")
+    overrides = vars(parser.parse_args(argv))
+    config_file = overrides.pop("job.config_file", None)
+    toml_data = load_toml(config_file) if config_file else {}
+    config = from_dict(toml_data)
+    config.job.config_file = config_file
+    for key, text in overrides.items():
+        sec, name, tp, meta = table[key]
+        value = _check_value(f"--{key}", _parse_cli_value(key, text, tp), tp, meta)
+        setattr(getattr(config, sec), name, value)
+    return config
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    fix = "give a TOML file, e.g. a recipe in train_configs/"
+    check_file("job.config_file", path, text=True, fix=fix, allow_empty=True)
+    what = f"job.config_file: {shown(path)}"
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except UnicodeDecodeError as e:  # past the part check_file reads
+        raise ConfigError(f"{what} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except ValueError as e:  # TOMLDecodeError, or an integer of more than 4300 digits
+        raise ConfigError(f"{what} is not valid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{what} is not valid TOML: arrays or tables nested too deeply") from None
+    except OSError as e:
+        raise ConfigError(f"{what}: cannot read it ({e.strerror})") from None
+
+
+def from_dict(data: dict[str, Any]) -> JobConfig:
+    """A JobConfig from a TOML-shaped dict; unknown sections or keys and wrong types are errors."""
+    config = JobConfig()
+    table = _option_table()
+    sections = _sections()
+    for sec, values in data.items():
+        if sec not in sections:
+            raise ConfigError(f"unknown TOML section [{_shown(sec)}]{_closest(sec, list(sections))}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{sec}] must be a table, got {type(values).__name__}")
+        for name, value in values.items():
+            key = f"{sec}.{name}"
+            if key not in table:
+                keys = [k.split(".", 1)[1] for k in table if k.startswith(sec + ".")]
+                raise ConfigError(f"unknown option {_shown(name)!r} in [{sec}]{_closest(name, keys)}")
+            _, _, tp, meta = table[key]
+            setattr(getattr(config, sec), name, _check_value(key, value, tp, meta))
+    return config
