@@ -48,7 +48,7 @@ def evaluate(job_config: JobConfig) -> int:
     for part in model_parts:
         part.to_empty(device=device)
         part.init_weights(seed=job_config.training.seed)  # the buffers (RoPE), which are not saved
-    load_model_weights(model_parts, path)
+    load_model_weights(model_parts, path, verify=job_config.checkpoint.verify_checksums)
     train_step = TrainStep(model_parts, pipeline, parallel_dims, job_config.training, device)
     result = Validator(job_config, train_step, tokenizer, meshes).validate()
     if rank == 0:

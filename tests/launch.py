@@ -7,6 +7,7 @@ import runpy
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,12 +50,21 @@ def run_train_in_process(*argv: str) -> int:
         gc.enable()
 
 
-def run_train(nproc: int, dump_folder: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_train(
+    nproc: int,
+    dump_folder: Path,
+    *args: str,
+    timeout: int = 300,
+    launcher: str = "torch.distributed.run",
+    preexec_fn: Callable[[], None] | None = None,
+) -> subprocess.CompletedProcess:
+    """train.py under `launcher` (torchrun, or torchtitan.reliability.launcher as run_llama_train.sh
+    starts it); `preexec_fn` runs in the launcher's process before it starts (e.g. to set a limit)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        launcher,
         f"--nproc_per_node={nproc}",
         "--rdzv_backend",
         "c10d",
@@ -66,7 +76,9 @@ def run_train(nproc: int, dump_folder: Path, *args: str, timeout: int = 300) -> 
         str(dump_folder),
         *args,
     ]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+    return subprocess.run(
+        cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout, preexec_fn=preexec_fn
+    )
 
 
 def read_records(dump_folder: Path) -> list[dict]:

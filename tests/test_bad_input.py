@@ -20,6 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from launch import ROOT, TINY_JOB, run_train_in_process
 
+from torchtitan.checkpoint_checksums import MANIFEST
 from torchtitan.datasets.pretokenized import pretokenize
 from torchtitan.reliability.safe_dcp import SafeLoadPlanner, SafeReader, read_checkpoint
 
@@ -61,6 +62,12 @@ def copy_checkpoint(trained: Path, dump: Path) -> Path:
 
 def truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def flip_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(data)
 
 
 @dataclass
@@ -135,6 +142,37 @@ def damaged(damage):
         return list(CKPT)
 
     return argv
+
+
+def edit_a_size(path: Path) -> None:
+    """A number changed in checksums.json, which stays valid JSON."""
+    path.write_text(path.read_text().replace("[", "[1", 1))
+
+
+def unverified(damage):
+    """The damage done to a checkpoint without checksums (saved by an earlier version): what the
+    loader's own defences catch."""
+
+    def apply(step_dir: Path, tmp: Path) -> None:
+        (step_dir / MANIFEST).unlink()
+        damage(step_dir, tmp)
+
+    return apply
+
+
+def damaged_step_2(id: str, damage, name: str, problem: str, *extra: str) -> Case:
+    """Steps 1 and 2 (a copy of 1), `damage` done to step 2's file `name`: the run stops with `problem`."""
+
+    def argv(tmp, dump, trained):
+        step_1 = copy_checkpoint(trained, dump)
+        shutil.copytree(step_1, step_1.parent / "step-2")
+        damage(step_1.parent / "step-2" / name)
+        return [*CKPT, *extra]
+
+    return Case(id, argv, f"checkpoint/step-2 is damaged: {problem}")
+
+
+FALLBACK = "; resume from another one with --checkpoint.load_step (available steps: 1)"
 
 
 def evil_metadata(step_dir: Path, tmp: Path) -> None:
@@ -411,9 +449,46 @@ CASES = [
         "has no dataloader.dataset_state.global_batch_8.stream_0: its data loader state was saved for "
         "another global batch size or by an older data loader",
     ),
-    Case("truncated metadata", damaged(lambda d, tmp: truncate(d / ".metadata")), "is damaged or not a DCP"),
-    Case("truncated data", damaged(lambda d, tmp: truncate(d / "__0_0.distcp")), "checkpoint: cannot load"),
-    Case("code in metadata", damaged(evil_metadata), "posix.system has no place in a checkpoint's metadata"),
+    Case(
+        "truncated metadata",
+        damaged(unverified(lambda d, tmp: truncate(d / ".metadata"))),
+        "is damaged or not a DCP",
+    ),
+    Case(
+        "truncated data",
+        damaged(unverified(lambda d, tmp: truncate(d / "__0_0.distcp"))),
+        "checkpoint: cannot load",
+    ),
+    Case(
+        "code in metadata",
+        damaged(unverified(evil_metadata)),
+        "posix.system has no place in a checkpoint's metadata",
+    ),
+    # Checkpoints whose files differ from their checksums.json
+    damaged_step_2(
+        "bit flipped in metadata",
+        flip_bit,
+        ".metadata",
+        ".metadata does not match its CRC32 checksum" + FALLBACK,
+    ),
+    damaged_step_2("metadata cut short", truncate, ".metadata", ".metadata has "),
+    damaged_step_2(
+        "bit flipped in a shard", flip_bit, "__0_0.distcp", "__0_0.distcp does not match its CRC32"
+    ),
+    damaged_step_2("shard cut short", truncate, "__0_0.distcp", "__0_0.distcp has "),
+    damaged_step_2("shard missing", Path.unlink, "__0_0.distcp", "__0_0.distcp is missing" + FALLBACK),
+    damaged_step_2(
+        "size changed in the checksums", edit_a_size, MANIFEST, f"{MANIFEST} does not match its own checksum"
+    ),
+    damaged_step_2("checksums cut short", truncate, MANIFEST, f"{MANIFEST} is unreadable (JSONDecodeError)"),
+    damaged_step_2("bit flipped in the checksums", flip_bit, MANIFEST, f"{MANIFEST} is "),
+    damaged_step_2("load_step damaged", flip_bit, "__0_0.distcp", "__0_0", "--checkpoint.load_step", "2"),
+    Case(
+        "only checkpoint damaged",
+        damaged(lambda d, tmp: flip_bit(d / "__0_0.distcp")),
+        "step-1 is damaged: __0_0.distcp does not match its CRC32 checksum; there is no other checkpoint "
+        "to resume from: move it away to start afresh",
+    ),
     Case("code in a saved item", damaged(evil_item), "is not plain data and is not loaded"),
     *PATH_CASES,
 ]

@@ -1,13 +1,16 @@
 """Distributed checkpoints (torch.distributed.checkpoint) of everything needed to continue a run.
 
 A checkpoint is written to `step-N.tmp` and renamed to `step-N` once complete, so a folder named
-`step-N` is always whole and a crash mid-save never costs the previous checkpoint."""
+`step-N` is always whole and a crash mid-save never costs the previous checkpoint. Each holds a
+`checksums.json` (torchtitan/checkpoint_checksums.py), checked before the checkpoint is loaded."""
 
+import contextlib
+import errno
 import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -27,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 
+from torchtitan.checkpoint_checksums import ChecksumWriter, check_intact
 from torchtitan.checkpoint_folder import (
     LEFTOVER_DIR,
     STEP_DIR,
@@ -38,6 +42,7 @@ from torchtitan.checkpoint_folder import (
 )
 from torchtitan.config_manager import ConfigError, JobConfig
 from torchtitan.logging import logger
+from torchtitan.reliability.errors import CheckpointWriteError, os_error_behind
 from torchtitan.reliability.safe_dcp import SafeLoadPlanner, SafeReader, read_checkpoint, saved_entries
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -229,8 +234,11 @@ def _check_model_shapes(model_state: Stateful, path: str, saved: dict[str, Any])
         raise ConfigError(f"checkpoint: {path} holds {extra[0][6:]}, which the model lacks; {hint}")
 
 
-def load_model_weights(model_parts: list[nn.Module], path: str) -> None:
-    """The model weights of the checkpoint at `path` into this rank's parts, whatever the layout."""
+def load_model_weights(model_parts: list[nn.Module], path: str, verify: bool = True) -> None:
+    """The model weights of the checkpoint at `path` into this rank's parts, whatever the layout;
+    `verify`: against its checksums first."""
+    if verify:
+        check_intact(path)
     load_states({"model": ModelState(merge_model_parts(model_parts))}, path, ["model"])
 
 
@@ -319,6 +327,11 @@ class CheckpointManager:
             return step
         if self.checkpoint_config.initial_load_path is not None:
             check_initial_load_path(self.checkpoint_config)
+            if self.checkpoint_config.verify_checksums:
+                check_intact(
+                    self.checkpoint_config.initial_load_path,
+                    "point checkpoint.initial_load_path at an intact checkpoint",
+                )
             load_states(self.states, self.checkpoint_config.initial_load_path, ["model"])
         return None
 
@@ -334,14 +347,22 @@ class CheckpointManager:
                 logger.warning(f"Ignoring {path}: it has no .metadata, so it is incomplete")
 
     def _step_to_load(self, steps: list[int]) -> int | None:
+        """checkpoint.load_step, else the latest checkpoint a run can continue from; each one looked at
+        is checked against its checksums first, before anything reads it."""
         if self.checkpoint_config.load_step != -1:
             check_load_step(self.checkpoint_config, self.folder)
+            self._check_intact(self.checkpoint_config.load_step)
             return self.checkpoint_config.load_step
         for step in reversed(steps):
+            self._check_intact(step)
             if "train_state.step" in saved_entries(self._path(step)):
                 return step
             logger.info(f"Not resuming from {self._path(step)}: it holds model weights only")
         return None
+
+    def _check_intact(self, step: int) -> None:
+        if self.checkpoint_config.verify_checksums:
+            check_intact(self._path(step))
 
     def maybe_save(
         self, step: int, last_step: bool, force: bool = False, before_save: Callable[[], None] | None = None
@@ -351,8 +372,8 @@ class CheckpointManager:
         commit a finished async save."""
         if not self.enabled:
             return
-        if self._pending is not None and self._pending[1].done():
-            self.wait()
+        if self._pending is not None and self._pending[1].done() and self._pending[1].exception() is None:
+            self.wait()  # a failed one is reported by the next save or close(), on every rank at that step
         if step % self.checkpoint_config.interval == 0 or last_step or force:
             if before_save is not None:
                 before_save()
@@ -368,17 +389,20 @@ class CheckpointManager:
             dtype = EXPORT_DTYPES[self.checkpoint_config.export_dtype]
             state = {"model": {k: v.to(dtype) for k, v in self.states["model"].state_dict().items()}}
         if self._stager is None or last_step:
-            dcp.save(state, checkpoint_id=tmp)
-            self._commit(step)
+            with self._write_errors_reported(step):
+                dcp.save(state, checkpoint_id=tmp, storage_writer=ChecksumWriter(tmp))
+                self._commit(step)
             return
         start = time.perf_counter()
-        future = dcp.async_save(
-            state,
-            checkpoint_id=tmp,
-            process_group=self._process_group,
-            async_checkpointer_type=self._writer,
-            async_stager=self._stager,
-        )
+        with self._write_errors_reported(step):
+            future = dcp.async_save(
+                state,
+                checkpoint_id=tmp,
+                storage_writer=ChecksumWriter(tmp),
+                process_group=self._process_group,
+                async_checkpointer_type=self._writer,
+                async_stager=self._stager,
+            )
         self._pending = (step, future)
         staged = time.perf_counter() - start
         logger.info(f"Staged checkpoint step {step} in {staged:.2f}s; writing it in the background")
@@ -388,8 +412,33 @@ class CheckpointManager:
         if self._pending is not None:
             step, future = self._pending
             self._pending = None
-            future.result()
-            self._commit(step)
+            with self._write_errors_reported(step):
+                future.result()
+                self._commit(step)
+
+    @contextlib.contextmanager
+    def _write_errors_reported(self, step: int) -> Iterator[None]:
+        """A save that fails with an OSError (a full disk, a file-size limit, an I/O error, a permission)
+        ends the run in one line (CheckpointWriteError, exit code 5): its `step-N.tmp` is removed, the
+        earlier checkpoints are untouched, and the next launch resumes from the last complete one."""
+        try:
+            yield
+        except BaseException as e:  # DCP's CheckpointException is one
+            os_error = os_error_behind(e)
+            if os_error is None:
+                raise
+            tmp = self._path(step) + ".tmp"
+            if self.is_coordinator:
+                shutil.rmtree(tmp, ignore_errors=True)
+            reason = os_error.strerror or str(os_error)
+            code = errno.errorcode.get(os_error.errno or 0, "")
+            steps = list_checkpoints(self.folder)
+            resume = f"step-{steps[-1]}" if steps else "the start"
+            raise CheckpointWriteError(
+                f"checkpoint: cannot write {tmp}: {reason} ({code}); it is removed and the earlier "
+                f"checkpoints are intact: free space or fix {self.folder}, then launch again to resume "
+                f"from {resume}"
+            ) from e
 
     def _commit(self, step: int) -> None:
         """Rename the complete `step-N.tmp` to `step-N` (the coordinator's save returns once every rank's

@@ -240,6 +240,11 @@ class CheckpointConfig:
         "Parts of the checkpoint not to load on resume (they start fresh), e.g. dataloader,optimizer",
         choices=("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"),
     )
+    verify_checksums: bool = opt(
+        True,
+        "Before loading a checkpoint, check each of its files against the size and CRC32 saved with it "
+        "(reads the checkpoint once more); false skips this, e.g. for very large checkpoints",
+    )
     initial_load_path: str | None = opt(
         None,
         "A checkpoint folder (step-N) whose model weights start a new run, e.g. for fine-tuning; "

@@ -4,7 +4,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -96,16 +96,44 @@ class MetricLogger:
         self.c = _Colors(sys.stdout.isatty() if color is None else color)
         self.jsonl = None
         self.wandb = None
+        self._failed: set[str] = set()
         if is_logging_rank:
             dump_folder = job_config.job.dump_folder
             os.makedirs(dump_folder, exist_ok=True)
-            self.jsonl = open(os.path.join(dump_folder, "metrics.jsonl"), "a")
+            self.jsonl = self._safely(
+                "metrics.jsonl", lambda: open(os.path.join(dump_folder, "metrics.jsonl"), "a")
+            )
             if job_config.metrics.enable_wandb:
                 import wandb
 
-                self.wandb = wandb.init(dir=dump_folder, config=job_config.to_dict())
+                self.wandb = self._safely(
+                    "W&B", lambda: wandb.init(dir=dump_folder, config=job_config.to_dict())
+                )
         self.start = time.perf_counter()
         self._window_start, self._window_steps, self._data_time = self.start, 0, 0.0
+
+    def _safely(self, sink: str, action: Callable[[], Any]) -> Any:
+        """`action`'s result, or None if it fails: metrics are not worth stopping a run for, so a failed
+        write to a sink (a full disk, a file-size limit, W&B unreachable) is one warning, the first time."""
+        try:
+            return action()
+        except Exception as e:  # W&B raises its own errors
+            if sink not in self._failed:
+                self._failed.add(sink)
+                logger.warning(
+                    f"Cannot write {sink} ({e}); training goes on, further failures are not reported"
+                )
+            return None
+
+    def _record(self, record: dict[str, Any]) -> None:
+        """One line of metrics.jsonl."""
+
+        def write() -> None:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+
+        if self.jsonl is not None:
+            self._safely("metrics.jsonl", write)
 
     def timed(self, batches: Iterator[Any]) -> Iterator[Any]:
         """`batches`, counting the time spent waiting for them as data time."""
@@ -180,12 +208,10 @@ class MetricLogger:
             f"{c.yellow}memory: {record['memory_gib']:.2f}GiB({record['memory_pct']:.1f}%)  "
             f"{c.gray}eta: {format_duration(eta)}{c.reset}"
         )
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
+        self._record(record)
         if self.wandb is not None:
-            self.wandb.log(
-                {k: v for k, v in record.items() if v is not None and k != "step"}, step=record["step"]
-            )
+            metrics = {k: v for k, v in record.items() if v is not None and k != "step"}
+            self._safely("W&B", lambda: self.wandb.log(metrics, step=record["step"]))
 
     def log_validation(self, step: int, loss: float, perplexity: float, tokens: int, seconds: float) -> None:
         """Log an evaluation's result and leave its time out of the training window (tokens/s, MFU)."""
@@ -204,13 +230,13 @@ class MetricLogger:
             "validation_time": seconds,
             "time": time.time(),
         }
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
+        self._record(record)
         if self.wandb is not None:
-            self.wandb.log({"validation/loss": loss, "validation/perplexity": perplexity}, step=step)
+            metrics = {"validation/loss": loss, "validation/perplexity": perplexity}
+            self._safely("W&B", lambda: self.wandb.log(metrics, step=step))
 
     def close(self) -> None:
         if self.jsonl is not None:
-            self.jsonl.close()
+            self._safely("metrics.jsonl", self.jsonl.close)
         if self.wandb is not None:
-            self.wandb.finish()
+            self._safely("W&B", self.wandb.finish)

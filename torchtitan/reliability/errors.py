@@ -7,6 +7,8 @@ a traceback; TITAN_DEBUG=1 (any value but 0) shows the traceback instead.
     2   bad input: one line naming the option or file and the fix
     3   a non-finite loss or gradient norm, with training.skip_nonfinite_steps off
     4   a collective failed or timed out: another rank died or hung
+    5   a checkpoint could not be written (a full disk, a file-size limit, an I/O or permission error):
+        its temporary folder is removed, the earlier checkpoints are intact; launch again to resume
     75  preempted by SIGTERM or SIGUSR1: stopped after a step and saved a checkpoint (if enabled);
         launch the same job again to resume (75 is EX_TEMPFAIL, "try again later")
 
@@ -25,6 +27,7 @@ EXIT_ERROR = 1
 EXIT_BAD_INPUT = 2
 EXIT_NONFINITE = 3
 EXIT_COMM_FAILURE = 4
+EXIT_CHECKPOINT_WRITE = 5
 EXIT_PREEMPTED = 75
 
 
@@ -35,6 +38,31 @@ def debug_enabled() -> bool:
 
 class NonFiniteError(RuntimeError):
     """A step produced a NaN or Inf loss or gradient norm (exit code 3)."""
+
+
+class CheckpointWriteError(RuntimeError):
+    """Writing a checkpoint failed for an OS error, named in the message (exit code 5)."""
+
+
+def os_error_behind(error: BaseException) -> OSError | None:
+    """The OSError behind a failed checkpoint save, if any: DCP wraps each rank's error in a
+    CheckpointException, and torch.save turns a failed write into a RuntimeError whose context is the
+    OSError. A lost connection to another rank is no write error."""
+    seen, pending = set(), [error]
+    while pending:
+        e = pending.pop(0)
+        if isinstance(e, OSError) and not isinstance(e, (ConnectionError, TimeoutError)):
+            return e
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if "torch" in sys.modules:
+            import torch.distributed.checkpoint as dcp
+
+            if isinstance(e, dcp.CheckpointException):
+                pending += [failure for failure, _ in e.failures.values()]
+        pending += [cause for cause in (e.__cause__, e.__context__) if cause is not None]
+    return None
 
 
 @contextlib.contextmanager
@@ -101,6 +129,8 @@ def one_line_error(error: BaseException, rank: int, comm_config: CommConfig | No
         return EXIT_BAD_INPUT, str(error)
     if isinstance(error, NonFiniteError):
         return EXIT_NONFINITE, str(error)
+    if isinstance(error, CheckpointWriteError):
+        return EXIT_CHECKPOINT_WRITE, str(error)
     message = comm_failure_message(error, rank, comm_config) if comm_config is not None else None
     return (EXIT_COMM_FAILURE, message) if message else None
 

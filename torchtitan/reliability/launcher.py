@@ -20,6 +20,7 @@ from types import FrameType
 
 from torchtitan.reliability.errors import (
     EXIT_BAD_INPUT,
+    EXIT_CHECKPOINT_WRITE,
     EXIT_COMM_FAILURE,
     EXIT_NONFINITE,
     EXIT_PREEMPTED,
@@ -28,7 +29,7 @@ from torchtitan.reliability.errors import (
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # Exit codes whose rank has printed its reason in one line already.
-EXPLAINED = {EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_COMM_FAILURE, EXIT_PREEMPTED}
+EXPLAINED = {EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_COMM_FAILURE, EXIT_CHECKPOINT_WRITE, EXIT_PREEMPTED}
 
 
 def _children() -> list[int]:
