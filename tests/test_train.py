@@ -1,8 +1,6 @@
 """End-to-end runs of train.py under torchrun."""
 
-import shutil
-
-from launch import VALIDATION, losses, read_metrics, run_train, validation_losses
+from launch import VALIDATION, read_metrics, run_train, validation_losses
 
 
 def check(result):
@@ -29,32 +27,6 @@ def test_fsdp2_matches_single_process(tmp_path):
         assert abs(a["loss"] - b["loss"]) < 1e-5, (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-5, (a, b)
     assert single[-1]["loss"] < single[0]["loss"] - 0.5
-
-
-def test_resume_continues_from_latest_checkpoint(tmp_path):
-    args = [
-        "--training.batch_size",
-        "2",
-        "--checkpoint.enable_checkpoint",
-        "true",
-        "--checkpoint.interval",
-        "4",
-    ]
-    check(run_train(1, tmp_path, *args))
-    ckpt = tmp_path / "checkpoint"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["step-10", "step-4", "step-8"]
-    straight = losses(tmp_path)
-
-    shutil.rmtree(ckpt / "step-10")
-    shutil.rmtree(ckpt / "step-8")
-    (tmp_path / "metrics.jsonl").unlink()
-    result = run_train(1, tmp_path, *args)
-    check(result)
-    assert "Resumed from step 4" in result.stdout
-    resumed = losses(tmp_path)
-    assert min(resumed) == 5
-    for step, loss in resumed.items():
-        assert loss == straight[step], (step, loss, straight[step])
 
 
 def test_bad_config_exits_with_one_line(tmp_path):
