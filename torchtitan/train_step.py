@@ -2,7 +2,8 @@
 pipeline stages: what train.py, the memory estimator, the profiler and the benchmark share."""
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -97,7 +98,7 @@ class TrainStep:
                 if self.pipeline is None:
                     loss = self._model_forward_backward(inputs, labels, microbatches)
                 else:
-                    loss = self._pipeline_forward_backward(inputs, labels)
+                    loss = self._pipeline_loss(self.pipeline.schedule.step, inputs, labels)
             losses.append(loss.detach())
         return torch.stack(losses).mean()
 
@@ -124,15 +125,16 @@ class TrainStep:
             logits = model(inputs)
         return self.loss_fn(logits, labels)
 
-    def _pipeline_forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # The logits are not returned: the last stage would keep every micro-batch's and concatenate.
+    def _pipeline_loss(
+        self, run: Callable[..., Any], inputs: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        """The schedule's `run` (`step`, or `eval` for forward only) on one batch; its mean loss."""
         pipeline, losses = self.pipeline, []
         targets = labels if pipeline.has_last_stage else None
+        first_stage_inputs = (inputs,) if pipeline.has_first_stage else ()
+        # The logits are not returned: the last stage would keep every micro-batch's and concatenate.
         with self.autocast:
-            if pipeline.has_first_stage:
-                pipeline.schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
-            else:
-                pipeline.schedule.step(target=targets, losses=losses, return_outputs=False)
+            run(*first_stage_inputs, target=targets, losses=losses, return_outputs=False)
         # No losses on ranks without the last stage, nor where the memory estimator cuts the schedule short.
         return torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
 
@@ -155,11 +157,4 @@ class TrainStep:
     def _forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.pipeline is None:
             return self._model_loss(inputs, labels)
-        pipeline, losses = self.pipeline, []
-        targets = labels if pipeline.has_last_stage else None
-        with self.autocast:
-            if pipeline.has_first_stage:
-                pipeline.schedule.eval(inputs, target=targets, losses=losses, return_outputs=False)
-            else:
-                pipeline.schedule.eval(target=targets, losses=losses, return_outputs=False)
-        return torch.stack(losses).mean() if pipeline.has_last_stage else torch.zeros((), device=self.device)
+        return self._pipeline_loss(self.pipeline.schedule.eval, inputs, labels)
