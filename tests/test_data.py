@@ -23,17 +23,7 @@ SEQ_LEN = 32
 DOCS = [f"Document {i}: " + "and it came to pass " * (i % 7 + 1) for i in range(40)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def hf_cache(tmp_path_factory: pytest.TempPathFactory):
-    """Keep HF's dataset cache out of the user's home; `datasets` reads the location at call time."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf_cache")))
-        yield
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer(REPO_ROOT / "assets/tokenizer/kjv_bpe.tiktoken")
+pytestmark = pytest.mark.usefixtures("hf_cache")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from pathlib import Path
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import datasets  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -29,16 +28,7 @@ DOCS = [f"Document {i}: " + "and it came to pass " * (i % 7 + 1) for i in range(
 LAYOUTS = [(1, 4), (2, 2), (4, 1), (1, 2, 2), (2, 1, 2)]  # (ranks, batch, micro-batches)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def hf_cache(tmp_path_factory: pytest.TempPathFactory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf_cache")))
-        yield
-
-
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer(ROOT / "assets/tokenizer/kjv_bpe.tiktoken")
+pytestmark = pytest.mark.usefixtures("hf_cache")
 
 
 def write_jsonl(path: Path, docs: list[str]) -> Path:
