@@ -16,6 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from launch import TINY_JOB, losses, read_records, run_train_in_process  # noqa: E402
+from test_data import global_batches  # noqa: E402
 
 from torchtitan.datasets.hf_datasets import build_hf_data_loader  # noqa: E402
 from torchtitan.datasets.pretokenized import WindowOrder  # noqa: E402
@@ -59,16 +60,6 @@ def loaders(tok, folder: Path, layout: tuple[int, ...], **kwargs):
         build_hf_data_loader("docs", str(folder), tok, batch, SEQ_LEN, world, rank, accum, **kwargs)
         for rank in range(world)
     ]
-
-
-def global_batches(rank_loaders, steps: int, accum: int = 1) -> list[torch.Tensor]:
-    """The next `steps` global batches as windows: per micro-batch, the ranks' rows in rank order."""
-    iters = [iter(dl) for dl in rank_loaders]
-    out = []
-    for _ in range(steps):
-        parts = [next(it) for _ in range(accum) for it in iters]
-        out.append(torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in parts]))
-    return out
 
 
 def reference(tok, first: int, count: int, order=lambda i: i) -> torch.Tensor:
