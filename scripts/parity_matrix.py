@@ -104,7 +104,7 @@ MATRIX = [
     Layout("compile + AC selective op", 1, 4, 4, COMPILE + AC_OP),
     Layout("chunked loss (1 process)", 1, 4, 4, CHUNKED_LOSS),
     Layout("DDP 2 + chunked loss", 2, 2, 4, replicate(2) + CHUNKED_LOSS),
-    Layout("TP 2 (SP, gathered logits) + chunked loss", 2, 4, 4, tp(2, loss_parallel=False) + CHUNKED_LOSS),
+    Layout("TP 2 (SP, loss parallel) + chunked loss", 2, 4, 4, tp(2) + CHUNKED_LOSS),
     Layout("FSDP 2 + GA 2 + chunked loss, reshard always", 2, 1, 4, FSDP_KNOBS + CHUNKED_LOSS),
     Layout("compile + AC selective op + chunked loss", 1, 4, 4, COMPILE + AC_OP + CHUNKED_LOSS),
 ]

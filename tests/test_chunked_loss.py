@@ -1,4 +1,7 @@
-"""training.loss_chunk_tokens: the chunked output projection + cross entropy equals the unfused one."""
+"""training.loss_chunk_tokens: the chunked output projection + cross entropy equals the unfused one.
+
+With TP (vocabulary shards, sequence parallel or not) and PP, within 1e-6 of the unfused step on the
+same layout: test_parallelisms.py's mesh run (test_chunked_loss_*), so that no launch is added."""
 
 import pytest
 import torch
@@ -14,7 +17,6 @@ from scripts.parity_matrix import (
     run_reference,
     tp,
 )
-from torchtitan.config_manager import ConfigError
 from torchtitan.config_parser import parse_args
 from torchtitan.config_rules import check_layout
 from torchtitan.models.llama import ModelArgs
@@ -79,31 +81,29 @@ def test_autocast_projects_in_its_dtype():
     torch.testing.assert_close(chunked, step._model_loss(inputs, labels), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize(
-    "layout", [["--parallelism.tensor_parallel_degree", "2"], ["--parallelism.pipeline_parallel_degree", "2"]]
-)
-def test_loss_parallel_and_pipeline_parallelism_are_refused(layout):
-    job_config = parse_args(["--training.loss_chunk_tokens", "64", *layout])
-    with pytest.raises(ConfigError, match="training.loss_chunk_tokens"):
-        check_layout(job_config, world_size=2)
+def test_loss_parallel_and_pipeline_parallelism_are_accepted():
+    tp_pp = ["--parallelism.tensor_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2"]
+    job_config = parse_args(["--training.loss_chunk_tokens", "64", *tp_pp])
+    assert job_config.parallelism.enable_loss_parallel
+    check_layout(job_config, world_size=4)
 
 
 CHUNKED_LAYOUTS = [
     Layout(
-        "FSDP 2 x TP 2 (gathered logits) + GA 2 + chunked loss, reshard always",
+        "FSDP 2 x TP 2 (loss parallel) + GA 2 + AC selective op + chunked loss, reshard always",
         4,
         1,
         4,
-        tp(2, loss_parallel=False) + FSDP_KNOBS + CHUNKED_LOSS,
+        tp(2) + AC_OP + FSDP_KNOBS + CHUNKED_LOSS,
     ),
     Layout("compile + AC selective op + chunked loss", 1, 4, 4, COMPILE + AC_OP + CHUNKED_LOSS),
 ]
 
 
 def test_chunked_runs_match_the_unfused_single_process_run(tmp_path):
-    """train.py under torchrun: the chunked loss composed with FSDP (the root kept gathered), TP (the
-    projection gathered), gradient accumulation, compile and selective AC logs the losses, gradient
-    norms and validation losses of the unfused 1-process run."""
+    """train.py under torchrun: the chunked loss composed with FSDP (the root kept gathered), TP (loss
+    parallel: vocabulary shards, sequence parallel), gradient accumulation, compile and selective AC
+    logs the losses, gradient norms and validation losses of the unfused 1-process run."""
     reference = run_reference(tmp_path / "reference", 4, 10)
     for i, layout in enumerate(CHUNKED_LAYOUTS):
         result = run_layout(layout, tmp_path / str(i), 10, reference)

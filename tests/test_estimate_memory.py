@@ -184,8 +184,11 @@ def test_big_model_estimate_shards_parameters_and_optimizer_state():
 
 
 def test_chunked_loss_estimate_drops_the_logits():
-    """training.loss_chunk_tokens: the estimated peak falls by at least the fp32 logits of the batch
-    (4 x 256 tokens x 16384), which the unfused step holds with their log-softmax and gradient."""
-    ((*_, unfused),) = estimate(1)
-    ((*_, chunked),) = estimate(1, "--training.loss_chunk_tokens", "256")
-    assert unfused - chunked >= 4 * 256 * 16384 * 4 / GIB
+    """training.loss_chunk_tokens on PP 2 x TP 2 (loss parallel): the last stage's estimated peak
+    falls by at least the fp32 logits of a micro-batch's vocabulary shard (2 x 256 tokens x 8192),
+    which the unfused step holds with their log-softmax and gradient; the first stage's is unchanged."""
+    layout = [*PP2, *TP2]
+    first, last = estimate(4, *layout)
+    chunked_first, chunked_last = estimate(4, *layout, "--training.loss_chunk_tokens", "256")
+    assert chunked_first == first
+    assert last[-1] - chunked_last[-1] >= 2 * 256 * 8192 * 4 / GIB

@@ -14,12 +14,13 @@ import torch.nn.functional as F
 from launch import TINY_JOB, run_train_in_process
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchtitan.datasets.tokenizer
 import torchtitan.distributed
+from torchtitan.chunked_loss import chunked_cross_entropy
 from torchtitan.config_manager import JobConfig
 from torchtitan.config_parser import parse_args
 from torchtitan.config_rules import gradient_accumulation_steps
@@ -34,6 +35,7 @@ from torchtitan.parallelisms.parallelize_llama import (
     parallelize_llama,
     set_grad_all_reduce,
 )
+from torchtitan.train_step import TrainStep, parallelize_model
 
 TINY = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=16)
 SEED = 3
@@ -275,6 +277,74 @@ def _accumulate(model: nn.Module, batches: torch.Tensor, counter: _CountCollecti
     return per_microbatch
 
 
+def _chunked_function_diffs(tp_mesh) -> dict[str, list[float]]:
+    """chunked_cross_entropy with a vocabulary-sharded weight (131 rows over 2 ranks: 66 + 65) and
+    hidden states sharded along the sequence (sequence parallel) or replicated, against the unfused
+    cross entropy on one process: max |difference| of the loss and of the hidden states' and the
+    weight's gradients, for chunks of 7 (not dividing the 2 x 16 tokens) and 64 tokens."""
+    generator = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 16, 32, generator=generator)
+    weight = torch.randn(131, 32, generator=generator) / 4
+    labels = torch.randint(0, 131, (2, 16), generator=generator)
+    reference = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+    loss = F.cross_entropy((reference[0] @ reference[1].T).flatten(0, 1), labels.flatten())
+    loss.backward()
+    diffs = {}
+    for layout in ("sequence_parallel", "replicated"):
+        for chunk in (7, 64):
+            h = distribute_tensor(hidden, tp_mesh, [Shard(1)]) if layout == "sequence_parallel" else hidden
+            inputs = [
+                h.clone().requires_grad_(),
+                distribute_tensor(weight, tp_mesh, [Shard(0)]).requires_grad_(),
+            ]
+            chunked = chunked_cross_entropy(*inputs, labels, chunk)
+            chunked.backward()
+            grad_diffs = [(_full(x.grad) - r.grad).abs().max() for x, r in zip(inputs, reference)]
+            diffs[f"{layout}_{chunk}"] = _max_over_ranks([(chunked - loss).abs(), *grad_diffs])
+    return diffs
+
+
+def _max_over_ranks(diffs: list[torch.Tensor]) -> list[float]:
+    """The largest of each difference over the ranks (each holds its own stages and shards)."""
+    diffs = torch.stack([d.detach().double() for d in diffs])
+    dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+    return diffs.tolist()
+
+
+def _train_step_results(model_parts, pipeline, dims: ParallelDims, config: JobConfig, tokens: torch.Tensor):
+    """TrainStep's loss, gradients (this rank's local shards) and evaluation loss on one batch."""
+    step = TrainStep(model_parts, pipeline, dims, config.training, torch.device("cpu"))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    loss = step.forward_backward(iter([batch]))
+    grads = {
+        clean_fqn(n): p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        for part in model_parts
+        for n, p in part.named_parameters()
+    }
+    return _full(loss), grads, _full(step.evaluate(iter([batch]))[0])  # loss parallel's are DTensors
+
+
+def _chunked_step_diffs(mesh, dims: ParallelDims, tokens: torch.Tensor, **parallelism) -> list[float]:
+    """A training step and an evaluation with training.loss_chunk_tokens 5 against the unfused
+    ones on the same layout (TrainStep, as train.py runs them): max |difference| of the loss, of
+    every gradient (on every rank) and of the evaluation loss."""
+    results = []
+    for chunk in (0, 5):
+        config = _config(**parallelism)
+        config.training.batch_size, config.training.loss_chunk_tokens = tokens.shape[0], chunk
+        with torch.device("meta"):
+            model = Transformer(TINY)
+        model_parts, pipeline = parallelize_model(model, mesh, dims, config, torch.device("cpu"))
+        for part in model_parts:
+            part.to_empty(device="cpu")
+            part.init_weights(SEED)
+        results.append(_train_step_results(model_parts, pipeline, dims, config, tokens))
+    (loss, grads, evaluation), (chunked_loss, chunked_grads, chunked_evaluation) = results
+    assert grads.keys() == chunked_grads.keys() and grads
+    grad_diff = max((chunked_grads[n] - g).abs().max() for n, g in grads.items())
+    return _max_over_ranks([(chunked_loss - loss).abs(), grad_diff, (chunked_evaluation - evaluation).abs()])
+
+
 def _mesh_worker(rank: int, world_size: int, tmp_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp_dir}/store", rank=rank, world_size=world_size)
@@ -297,6 +367,27 @@ def _mesh_worker(rank: int, world_size: int, tmp_dir: str) -> None:
             }
             # Every dp rank gets the same batch, so the dp-averaged gradients are its gradients.
             results[f"{case}_step"] = _loss_and_grads(model, tokens, dims.loss_parallel_enabled)
+            if case == "tp":
+                results["chunked_function"] = _chunked_function_diffs(mesh["tp"])
+
+        # The chunked loss against the unfused one on TP and PP layouts (4 sequences: 4 micro-batches).
+        batch = torch.randint(0, TINY.vocab_size, (4, 17), generator=torch.Generator().manual_seed(1))
+        fsdp_tp = ParallelDims(dp_shard=2, tp=2, world_size=4, enable_loss_parallel=True)
+        pp_tp = ParallelDims(dp_shard=1, pp=2, tp=2, world_size=4, enable_loss_parallel=True)
+        pp = ParallelDims(dp_shard=1, dp_replicate=2, pp=2, world_size=4)
+        for case, dims, model_dims, parallelism in (
+            ("fsdp_tp", fsdp_tp, fsdp_tp, {"tensor_parallel_degree": 2}),
+            ("pp_tp", pp_tp, pp_tp, {"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2}),
+            # Two pipelines of 2 ranks, 2 stages each; zero bubble splits the backward (input, then weights).
+            (
+                "pp_zero_bubble",
+                pp,
+                replace(pp, dp_replicate=1, world_size=2),
+                {"pipeline_parallel_degree": 2, "pipeline_parallel_schedule": "InterleavedZeroBubble"},
+            ),
+        ):
+            mesh = dims.build_mesh("cpu")
+            results[f"chunked_{case}"] = _chunked_step_diffs(mesh, model_dims, batch, **parallelism)
 
         counter = _CountCollectives()
         batches = torch.randint(0, TINY.vocab_size, (2, 2, 17), generator=torch.Generator().manual_seed(rank))
@@ -368,3 +459,21 @@ def test_replicas_all_reduce_only_after_the_last_microbatch(mesh_results, case):
     assert last.get("all_reduce", 0) > 0, last
     if case == "hsdp":  # gradients stay sharded: reduce-scattered within the replica every time
         assert first["reduce_scatter_single"] == last["reduce_scatter_single"] > 0
+
+
+@pytest.mark.parametrize(
+    "case", ["sequence_parallel_7", "sequence_parallel_64", "replicated_7", "replicated_64"]
+)
+def test_chunked_loss_on_vocabulary_shards_equals_the_unfused_one(mesh_results, case):
+    """TP 2 (training.loss_chunk_tokens with loss parallel): the loss and the gradients of the hidden
+    states (sequence-sharded or replicated) and of the vocabulary-sharded weight."""
+    loss_diff, hidden_grad_diff, weight_grad_diff = mesh_results["chunked_function"][case]
+    assert loss_diff <= 1e-6 and hidden_grad_diff <= 1e-6 and weight_grad_diff <= 1e-6, case
+
+
+@pytest.mark.parametrize("case", ["fsdp_tp", "pp_tp", "pp_zero_bubble"])
+def test_chunked_loss_step_equals_the_unfused_one(mesh_results, case):
+    """FSDP 2 x TP 2 (loss parallel, SP), PP 2 x TP 2 (1F1B) and PP 2 (InterleavedZeroBubble: split
+    backward): the training step's loss, every gradient and the evaluation loss, chunked vs unfused."""
+    loss_diff, grad_diff, evaluation_diff = mesh_results[f"chunked_{case}"]
+    assert loss_diff <= 1e-6 and grad_diff <= 1e-6 and evaluation_diff <= 1e-6, (case, loss_diff, grad_diff)

@@ -182,7 +182,17 @@ LAYOUTS = {
         ],
     ),
     "looped_bfs": (2, 4, ["--parallelism.pipeline_parallel_schedule", "LoopedBFS"]),
-    "interleaved_zero_bubble": (2, 4, ["--parallelism.pipeline_parallel_schedule", "InterleavedZeroBubble"]),
+    # With the chunked loss: the last stage outputs its final hidden states, its loss projects them.
+    "interleaved_zero_bubble_chunked_loss": (
+        2,
+        4,
+        [
+            "--parallelism.pipeline_parallel_schedule",
+            "InterleavedZeroBubble",
+            "--training.loss_chunk_tokens",
+            "48",
+        ],
+    ),
     "zbv_zero_bubble": (2, 4, ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
     "dual_pipe_v": (2, 4, ["--parallelism.pipeline_parallel_schedule", "DualPipeV"]),
     "pp2_fsdp2": (

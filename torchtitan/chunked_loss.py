@@ -2,45 +2,82 @@
 
 The logits of a batch (tokens x vocabulary: 2.1 GB in fp32 for 4096 tokens of Llama 3's 128256) and
 their gradient never exist whole: forward projects and scores one chunk of hidden states at a time,
-keeping only the hidden states, the weight and the labels; backward projects each chunk again to
-get its share of the hidden states' and the weight's gradients. The price is one more projection
-matmul per step (its forward recomputed)."""
+keeping only the hidden states, the weight, the labels and each token's log-sum-exp; backward
+projects each chunk again to get its share of the hidden states' and the weight's gradients. The
+price is one more projection matmul per step (its forward recomputed).
+
+With tensor parallelism the output projection is sharded along the vocabulary and so are the
+chunks' logits: each rank scores its own vocabulary slice, and the log-sum-exp of a chunk comes
+from all-reducing its maximum and its sum of exponentials over the TP group, the label's logit from
+the rank that holds it (loss parallel, never gathering the logits nor the weight)."""
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 
 class _ChunkedCrossEntropySum(torch.autograd.Function):
-    """Sum over the rows of `hidden` (tokens, dim) of the cross entropy of `hidden @ weight.T` in fp32."""
+    """Sum over the rows of `hidden` (tokens, dim) of the cross entropy of `hidden @ weight.T` in fp32.
+
+    With a process `group`, `weight` holds the vocabulary's rows from `vocab_start` on and `hidden`
+    is the same on every rank of the group: the log-sum-exp and the label's logit are all-reduced
+    over it, and the gradient of `hidden` is this rank's part of a sum over the group."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int):
-        ctx.save_for_backward(hidden, weight, labels)
-        ctx.chunk = chunk
+    def forward(ctx, hidden, weight, labels, chunk: int, vocab_start: int, group):
+        # The labels as rows of this rank's weight; the others score 0 here (another rank holds them).
+        rows = labels - vocab_start
+        owned = (rows >= 0) & (rows < weight.shape[0])
+        rows = torch.where(owned, rows, 0)
+        log_sum_exp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
-            logits = (hidden[start : start + chunk] @ weight.T).float()
-            total = total + F.cross_entropy(logits, labels[start : start + chunk], reduction="sum")
+            end = start + chunk
+            logits = (hidden[start:end] @ weight.T).float()
+            maxima = logits.max(dim=1).values
+            if group is not None:
+                dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+            label_logits = torch.where(owned[start:end], logits.gather(1, rows[start:end, None])[:, 0], 0.0)
+            sums = torch.stack([torch.exp(logits - maxima[:, None]).sum(dim=1), label_logits])
+            if group is not None:
+                dist.all_reduce(sums, group=group)
+            log_sum_exp[start:end] = maxima + sums[0].log()
+            total = total + (log_sum_exp[start:end] - sums[1]).sum()
+        ctx.save_for_backward(hidden, weight, rows, owned, log_sum_exp)
+        ctx.chunk = chunk
         return total
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):
-        hidden, weight, labels = ctx.saved_tensors
+        hidden, weight, rows, owned, log_sum_exp = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden)
         # Summed in fp32 over the chunks, whatever the matmul dtype.
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)
         for start in range(0, hidden.shape[0], ctx.chunk):
-            rows = hidden[start : start + ctx.chunk]
-            logits = (rows @ weight.T).float()
-            # d(cross entropy)/d(logits) = softmax - one-hot of the label.
-            grad_logits = torch.softmax(logits, dim=-1)
-            grad_logits.scatter_add_(
-                1, labels[start : start + ctx.chunk, None], torch.full_like(grad_logits[:, :1], -1.0)
-            )
+            end = start + ctx.chunk
+            logits = (hidden[start:end] @ weight.T).float()
+            # d(cross entropy)/d(logits) = softmax - one-hot of the label (on the rank holding it).
+            grad_logits = torch.exp(logits - log_sum_exp[start:end, None])
+            grad_logits.scatter_add_(1, rows[start:end, None], -owned[start:end, None].float())
             grad_logits = (grad_logits * grad_total).to(hidden.dtype)
-            grad_hidden[start : start + ctx.chunk] = grad_logits @ weight
-            grad_weight += (grad_logits.T @ rows).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None
+            grad_hidden[start:end] = grad_logits @ weight
+            grad_weight += (grad_logits.T @ hidden[start:end]).float()
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+
+
+def _vocab_shard(hidden: torch.Tensor, weight: DTensor) -> tuple[torch.Tensor, torch.Tensor, int, object]:
+    """TP's vocabulary-sharded projection as local tensors: the hidden states whole on every rank
+    (all-gathered along the sequence under sequence parallelism; their gradient, a partial sum on
+    each rank, is reduce-scattered back, or all-reduced where they were replicated), this rank's rows
+    of the weight, the vocabulary id of its first row, and the TP group."""
+    mesh = weight.device_mesh
+    if weight.placements != (Shard(0),):
+        raise ValueError(f"the output weight must be sharded along the vocabulary, got {weight.placements}")
+    if not isinstance(hidden, DTensor):
+        hidden = DTensor.from_local(hidden, mesh, [Replicate()], run_check=False)
+    hidden = hidden.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+    _, vocab_start = Shard.local_shard_size_and_offset(weight.shape[0], mesh.size(), mesh.get_local_rank())
+    return hidden, weight.to_local(), vocab_start, mesh.get_group()
 
 
 def chunked_cross_entropy(
@@ -50,11 +87,19 @@ def chunked_cross_entropy(
     `F.cross_entropy(F.linear(hidden, weight).float(), labels)` but `chunk_tokens` tokens at a time.
 
     hidden: (..., dim) final-norm outputs; weight: (vocab, dim); labels: (...) token ids. Under
-    autocast the matmuls run in its dtype, as the output projection's would."""
+    autocast the matmuls run in its dtype, as the output projection's would. With TP, `weight` is
+    the output projection's DTensor (Shard(0) on the TP mesh) and `hidden` a DTensor sharded along
+    the sequence (sequence parallelism) or replicated, or a plain tensor, the same on every rank:
+    each rank scores its vocabulary shard, and every rank gets the whole loss."""
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
+    vocab_start, group = 0, None
+    if isinstance(weight, DTensor):
+        hidden, weight, vocab_start, group = _vocab_shard(hidden, weight)
     with torch.autocast(device_type, enabled=False):
-        total = _ChunkedCrossEntropySum.apply(hidden.flatten(0, -2), weight, labels.flatten(), chunk_tokens)
+        total = _ChunkedCrossEntropySum.apply(
+            hidden.flatten(0, -2), weight, labels.flatten(), chunk_tokens, vocab_start, group
+        )
     return total / labels.numel()

@@ -114,7 +114,8 @@ class TrainingConfig:
     loss_chunk_tokens: int = opt(
         0,
         "Project the final hidden states and score them this many tokens at a time, in forward and "
-        "backward, so the full logits never exist (docs/performance.md); 0: project all at once",
+        "backward, so the full logits never exist; with TP each rank scores its vocabulary shard, with "
+        "PP the last stage's loss projects (docs/performance.md); 0: project all at once",
         min=0,
     )
     skip_nonfinite_steps: bool = opt(

@@ -51,8 +51,7 @@ def gradient_accumulation_steps(training_config: TrainingConfig, parallel_dims: 
 
 
 def check_parallelism(job_config: JobConfig, parallel_dims: ParallelDims, model_args: ModelArgs) -> None:
-    """Tensor parallelism must split the heads and the sequence; the chunked loss runs without loss
-    parallel and PP; the AC option must parse."""
+    """Tensor parallelism must split the heads and the sequence; the AC option must parse."""
     tp = parallel_dims.tp
     n_kv_heads = model_args.n_kv_heads or model_args.n_heads
     if model_args.n_heads % tp or n_kv_heads % tp:
@@ -65,13 +64,6 @@ def check_parallelism(job_config: JobConfig, parallel_dims: ParallelDims, model_
         raise ConfigError(
             f"training.seq_len: {seq_len} is not divisible by tensor_parallel_degree "
             f"{tp} (sequence parallelism splits the sequence); change one of them"
-        )
-    if job_config.training.loss_chunk_tokens and (
-        parallel_dims.loss_parallel_enabled or parallel_dims.pp_enabled
-    ):
-        raise ConfigError(
-            "training.loss_chunk_tokens: the chunked loss does not support loss parallel nor pipeline "
-            "parallelism yet; set it to 0, or parallelism.enable_loss_parallel = false with TP"
         )
     option = job_config.activation_checkpoint.selective_ac_option
     digits = option.isascii() and option.isdigit() and len(option) <= 9  # no "²", no 4300-digit int()

@@ -2,6 +2,7 @@
 pipeline stages: what train.py, the memory estimator, the profiler and the benchmark share."""
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -9,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.chunked_loss import chunked_cross_entropy
@@ -25,6 +25,16 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids, labels), both (batch, s
 def loss_fn(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross entropy over the tokens of a batch (or of a pipeline micro-batch)."""
     return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten())
+
+
+def stage_loss_fn(
+    last_stage: nn.Module | None, output: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 0
+) -> torch.Tensor:
+    """The loss of the last pipeline stage's output: its logits, or with `chunk_tokens` its final
+    hidden states (the stages run with `skip_output`), projected by its output weight chunk by chunk."""
+    if chunk_tokens:
+        return chunked_cross_entropy(output, last_stage.output.weight, labels, chunk_tokens)
+    return loss_fn(output, labels)
 
 
 def autocast_context(
@@ -48,8 +58,9 @@ def parallelize_model(
     """The modules this rank runs (its pipeline stages, or the whole model), parallelized, and its
     pipeline (None without PP); still on the meta device. `stage_io`: see pipeline_llama."""
     if parallel_dims.pp_enabled:
+        stage_loss = functools.partial(stage_loss_fn, chunk_tokens=job_config.training.loss_chunk_tokens)
         pipeline, model_parts = pipeline_llama(
-            model, world_mesh, parallel_dims, job_config, device, loss_fn, stage_io
+            model, world_mesh, parallel_dims, job_config, device, stage_loss, stage_io
         )
         return model_parts, pipeline
     return [parallelize_llama(model, world_mesh, parallel_dims, job_config)], None
@@ -82,8 +93,12 @@ class TrainStep:
         compile_loss = training_config.compile and not parallel_dims.loss_parallel_enabled
         self.loss_fn = torch.compile(loss_fn) if compile_loss else loss_fn
         # The output projection and the loss a chunk of tokens at a time: no whole logits (chunked_loss.py).
+        # Under TP it scores vocabulary shards (DTensors, collectives): left uncompiled, as loss parallel is.
         self.loss_chunk_tokens = training_config.loss_chunk_tokens
-        self.chunked_loss = torch.compile(chunked_cross_entropy) if compile_loss else chunked_cross_entropy
+        compile_chunked = training_config.compile and not parallel_dims.tp_enabled
+        self.chunked_loss = torch.compile(chunked_cross_entropy) if compile_chunked else chunked_cross_entropy
+        # Pipeline stages stop at the final norm for the chunked loss (stage_loss_fn projects).
+        self.stage_kwargs = {"skip_output": True} if self.loss_chunk_tokens else {}
 
     def forward_backward(self, batches: Iterator[Batch], microbatches: int | None = None) -> torch.Tensor:
         """Run the step's micro-batches (`microbatches`, default the accumulation steps) from `batches`;
@@ -117,11 +132,8 @@ class TrainStep:
         model = self.model_parts[0]
         with self.autocast:
             if self.loss_chunk_tokens:
-                hidden, weight = model(inputs, skip_output=True), model.output.weight
-                if isinstance(weight, DTensor):
-                    # TP without loss parallel: each rank gathers the whole projection and scores every token.
-                    hidden, weight = hidden.full_tensor(), weight.full_tensor()
-                return self.chunked_loss(hidden, weight, labels, self.loss_chunk_tokens)
+                hidden = model(inputs, skip_output=True)
+                return self.chunked_loss(hidden, model.output.weight, labels, self.loss_chunk_tokens)
             logits = model(inputs)
         return self.loss_fn(logits, labels)
 
@@ -134,7 +146,7 @@ class TrainStep:
         first_stage_inputs = (inputs,) if pipeline.has_first_stage else ()
         # The logits are not returned: the last stage would keep every micro-batch's and concatenate.
         with self.autocast:
-            run(*first_stage_inputs, target=targets, losses=losses, return_outputs=False)
+            run(*first_stage_inputs, target=targets, losses=losses, return_outputs=False, **self.stage_kwargs)
         # No losses on ranks without the last stage, nor where the memory estimator cuts the schedule short.
         return torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
 

@@ -53,7 +53,8 @@ def pipeline_stage_io(
     cannot carry the shapes between them). They come from a probe: the model's two ends alone
     (embeddings, final norm, output), parallelized like a stage, run on one fake micro-batch.
     Blocks keep the shape and dtype of the residual stream, so the embeddings' output is what every
-    stage boundary carries."""
+    stage boundary carries; the last stage outputs the logits, or the final norm's output for the
+    chunked loss (training.loss_chunk_tokens)."""
     layers = stage_layers(cfg, len(model.layers))
     microbatch = (cfg.training.batch_size // num_microbatches(cfg, len(layers)), cfg.training.seq_len)
     probe = parallelize_llama(split_model(model, range(0), True, True), world_mesh, parallel_dims, cfg)
@@ -63,12 +64,12 @@ def pipeline_stage_io(
         probe.to_empty(device=device)
         tokens = torch.randint(0, vocab_size, microbatch, device=device)
         with autocast:
-            logits = probe(tokens)
+            output = probe(tokens, skip_output=cfg.training.loss_chunk_tokens > 0)
     # Stage outputs and hidden inputs take gradients (those the stages send back).
-    hidden, logits = boundary[0].detach().requires_grad_(), logits.detach().requires_grad_()
+    hidden, output = boundary[0].detach().requires_grad_(), output.detach().requires_grad_()
     return lambda stage_id: (
         tokens if stage_id == 0 else hidden,
-        logits if stage_id == len(layers) - 1 else hidden,
+        output if stage_id == len(layers) - 1 else hidden,
     )
 
 

@@ -7,6 +7,7 @@ checkpoints do not depend on the pipeline layout.
 """
 
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +29,9 @@ from torchtitan.parallelisms.pipeline_layout import (
 
 # A stage id's example micro-batch input and output (for stages that cannot learn the shapes by messages).
 StageIO = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+# The loss of the last stage's micro-batch output against its labels, given the last stage's model
+# (None on ranks without it, where it is never called): the chunked loss projects with its weight.
+StageLoss = Callable[[nn.Module | None, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -60,7 +64,7 @@ def pipeline_llama(
     parallel_dims: ParallelDims,
     job_config: JobConfig,
     device: torch.device,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_fn: StageLoss,
     stage_io: StageIO | None = None,
 ) -> tuple[Pipeline, list[nn.Module]]:
     """This rank's pipeline and its stage models, each parallelized by `parallelize_llama`.
@@ -87,12 +91,13 @@ def pipeline_llama(
         )
         model_parts.append(part)
 
+    last_stage = model_parts[ids.index(len(layers) - 1)] if len(layers) - 1 in ids else None
     schedule_cls = get_schedule_class(schedule_name)
     try:
         schedule = schedule_cls(
             stages[0] if schedule_name in SINGLE_STAGE_SCHEDULES else stages,
             n_microbatches=n_microbatches,
-            loss_fn=loss_fn,
+            loss_fn=functools.partial(loss_fn, last_stage),
         )
     except ValueError as e:
         raise ConfigError(
