@@ -1,6 +1,7 @@
 """HSDP, TP/SP, activation checkpointing, compile wrappers and gradient accumulation: the checks that
 need no training run (validation, wrappers, init and gradient norms on a mesh, when gradients are
-all-reduced). Loss parity of whole training runs is in test_parity.py."""
+all-reduced, the chunked loss on TP and PP layouts). Loss parity of whole training runs is in
+test_parity.py."""
 
 import collections
 import contextlib
@@ -208,8 +209,8 @@ def test_wrappers_keep_checkpoint_fqns(mode, option):
 
 
 # ---------------------------------------------------------------------------------------------
-# On a mesh of 4 processes (gloo): TP/SP and FSDP x TP init and gradient norms, and when HSDP and
-# DDP all-reduce gradients
+# On a mesh of 4 processes (gloo): TP/SP and FSDP x TP init and gradient norms, when HSDP and DDP
+# all-reduce gradients, and the chunked loss (training.loss_chunk_tokens) on TP and PP layouts
 
 
 def _config(**parallelism) -> JobConfig:
