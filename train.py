@@ -25,6 +25,7 @@ from torchtitan.metrics import MetricLogger, flops_per_token, peak_flops
 from torchtitan.models import build_model_args
 from torchtitan.models.llama.model import Transformer
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer
+from torchtitan.parallelisms.float8 import precompute_float8_scales, precomputes_float8_scales
 from torchtitan.parallelisms.parallelize_llama import DTYPES
 from torchtitan.profiling import maybe_enable_profilers
 from torchtitan.reliability.entry import run_job
@@ -53,7 +54,8 @@ def main(job_config: JobConfig) -> int:
     if job_config.job.print_args:
         logger.info(f"Configuration: {job_config.to_dict()}")
 
-    parallel_dims = check_layout(job_config, world_size, device.type)
+    cuda_capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    parallel_dims = check_layout(job_config, world_size, device.type, cuda_capability)
     meshes = parallel_dims.build_meshes(device.type)
     set_collective_timeout(job_config.comm.init_timeout_seconds)  # the mesh's groups too
     dp_degree, dp_rank = meshes.dp_degree_and_rank
@@ -120,6 +122,8 @@ def main(job_config: JobConfig) -> int:
     if job_config.validation.enable:
         validator = Validator(job_config, train_step, tokenizer, meshes)
     params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
+    # Float8 FSDP all-gathers: the next step's weight scales, in one all-reduce after each update.
+    precompute_scales = precomputes_float8_scales(job_config, parallel_dims)
     stop_request = StopRequest()  # SIGTERM/SIGUSR1: save and stop after a step
     nonfinite = NonFiniteGuard(training.skip_nonfinite_steps)
     logger.info(
@@ -142,6 +146,8 @@ def main(job_config: JobConfig) -> int:
             grad_norm = clip_grad_norm_(params, training.max_norm, meshes.pp)
             if nonfinite.step_ok(step, grad_norm):
                 optimizer.step()
+                if precompute_scales:
+                    precompute_float8_scales(model_parts)
             lr_scheduler.step()
             metric_logger.step_done()
 

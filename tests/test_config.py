@@ -84,6 +84,38 @@ def test_bad_config_is_a_precise_error(tmp_path, toml, argv, message):
     assert "\n" not in str(err.value)
 
 
+def test_float8_section_from_toml_and_cli(tmp_path):
+    defaults = parse_args([]).float8
+    assert (defaults.enable_float8_linear, defaults.recipe_name, defaults.filter_fqns) == (
+        False,
+        "tensorwise",
+        ["output"],
+    )
+    assert (
+        not defaults.enable_fsdp_float8_all_gather and not defaults.precompute_float8_dynamic_scale_for_fsdp
+    )
+    toml = (
+        "[float8]\nenable_float8_linear = true\nenable_fsdp_float8_all_gather = true\n"
+        "precompute_float8_dynamic_scale_for_fsdp = true\nfilter_fqns = ['output', 'layers.0']\n"
+    )
+    path = write_toml(tmp_path, toml)
+    config = parse_args(["--job.config_file", path]).float8
+    assert config.enable_float8_linear and config.enable_fsdp_float8_all_gather
+    assert config.precompute_float8_dynamic_scale_for_fsdp and config.filter_fqns == ["output", "layers.0"]
+    config = parse_args(
+        ["--job.config_file", path, "--float8.recipe_name", "rowwise", "--float8.filter_fqns", "output,wq"]
+    ).float8
+    assert (config.recipe_name, config.filter_fqns, config.enable_float8_linear) == (
+        "rowwise",
+        ["output", "wq"],
+        True,
+    )
+    with pytest.raises(
+        ConfigError, match="float8.recipe_name: 'blockwise' is not one of tensorwise, rowwise"
+    ):
+        parse_args(["--float8.recipe_name", "blockwise"])
+
+
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="job.config_file: no such file"):
         parse_args(["--job.config_file", str(tmp_path / "nope.toml")])

@@ -282,6 +282,35 @@ class CommConfig:
 
 
 @dataclass
+class Float8Config:
+    enable_float8_linear: bool = opt(
+        False,
+        "Train the linear layers with float8 matmuls through torchao (an optional dependency); needs CUDA "
+        "with compute capability 8.9 or newer (H100, H200, L4, L40S). Layers named in filter_fqns and "
+        "those with a dimension not a multiple of 16 stay in the training dtype",
+    )
+    recipe_name: str = opt(
+        "tensorwise",
+        "torchao's scaling recipe: tensorwise (one dynamic scale per tensor: fastest, and float8 "
+        "all-gathers for FSDP and TP) or rowwise (a scale per row: more accurate)",
+        choices=("tensorwise", "rowwise"),
+    )
+    enable_fsdp_float8_all_gather: bool = opt(
+        False, "With FSDP and the tensorwise recipe, all-gather the weights in float8 (half of bf16's bytes)"
+    )
+    precompute_float8_dynamic_scale_for_fsdp: bool = opt(
+        False,
+        "With enable_fsdp_float8_all_gather, compute every weight's float8 scale in one all-reduce after "
+        "the optimizer step instead of one small all-reduce per layer",
+    )
+    filter_fqns: list[str] = opt(
+        ["output"],
+        "Linear layers kept out of float8: a layer is skipped when one of these names is its fully "
+        "qualified name or a dotted part of it (output, wq, attention.wq, layers.0)",
+    )
+
+
+@dataclass
 class JobConfig:
     job: JobSectionConfig = field(default_factory=JobSectionConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -295,6 +324,7 @@ class JobConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    float8: Float8Config = field(default_factory=Float8Config)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {

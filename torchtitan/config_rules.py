@@ -1,5 +1,5 @@
 """Every rule that ties options together, stated once: the parallel layout against the world size and
-the model, the pipeline split, the batch arithmetic, the learning-rate schedule, what needs CUDA.
+the model, the pipeline split, the batch arithmetic, the learning-rate schedule, what needs CUDA, float8.
 
 Torch-free: the preflight (torchtitan/reliability/preflight.py) runs these checks before any worker
 starts, and train.py and the scripts run them again with what only a worker knows (the device). Each
@@ -134,9 +134,78 @@ def check_device(job_config: JobConfig, parallel_dims: ParallelDims, device_type
         )
 
 
-def check_layout(job_config: JobConfig, world_size: int, device_type: str | None = None) -> ParallelDims:
+# Float8 matmuls (torch._scaled_mm) need Ada (8.9) or Hopper (9.0) tensor cores, or newer.
+FLOAT8_MIN_CUDA_CAPABILITY = (8, 9)
+# The torchao that scripts/install.sh installs on GPU machines (requirements-gpu.txt, pyproject's
+# `float8` extra): the newest on PyPI when this was written, whose own check asks for torch >= 2.11.
+TORCHAO_REQUIREMENT = "torchao==0.18.0"
+
+
+def check_float8(
+    job_config: JobConfig,
+    parallel_dims: ParallelDims | None = None,
+    device_type: str | None = None,
+    cuda_capability: tuple[int, int] | None = None,
+    torchao_installed: bool | None = None,
+) -> None:
+    """The [float8] options against each other, the layout, the device and torchao's presence; each
+    fact is checked only when known (None: not known by the caller, e.g. the preflight has no
+    torch). `cuda_capability`: the lowest (major, minor) of the GPUs this job runs on."""
+    float8 = job_config.float8
+    if not float8.enable_float8_linear:
+        return
+    if float8.enable_fsdp_float8_all_gather and float8.recipe_name != "tensorwise":
+        raise ConfigError(
+            f"float8.enable_fsdp_float8_all_gather: torchao all-gathers float8 weights with the tensorwise "
+            f"recipe only, and float8.recipe_name is {float8.recipe_name}; set one of them differently"
+        )
+    if float8.precompute_float8_dynamic_scale_for_fsdp and not float8.enable_fsdp_float8_all_gather:
+        raise ConfigError(
+            "float8.precompute_float8_dynamic_scale_for_fsdp: precomputes the scales of float8 "
+            "all-gathers, and float8.enable_fsdp_float8_all_gather is false; set it to false too"
+        )
+    all_gather = float8.enable_fsdp_float8_all_gather
+    if all_gather and parallel_dims is not None and not parallel_dims.dp_shard_enabled:
+        raise ConfigError(
+            "float8.enable_fsdp_float8_all_gather: needs FSDP (a data_parallel_shard_degree above 1, here "
+            f"{parallel_dims.dp_shard}); set it to false"
+        )
+    if device_type is not None and device_type != "cuda":
+        raise ConfigError(
+            "float8.enable_float8_linear: float8 matmuls need a CUDA GPU of compute capability "
+            f"{float8_capability_name()} or newer (H100, H200, L4, L40S), and this run is on {device_type}; "
+            "set it to false"
+        )
+    if cuda_capability is not None and tuple(cuda_capability) < FLOAT8_MIN_CUDA_CAPABILITY:
+        raise ConfigError(
+            "float8.enable_float8_linear: float8 matmuls need a CUDA GPU of compute capability "
+            f"{float8_capability_name()} or newer (H100, H200, L4, L40S), and this one is "
+            f"{cuda_capability[0]}.{cuda_capability[1]}; set it to false"
+        )
+    if torchao_installed is False:
+        raise ConfigError(torchao_missing())
+
+
+def float8_capability_name() -> str:
+    return ".".join(map(str, FLOAT8_MIN_CUDA_CAPABILITY))
+
+
+def torchao_missing(reason: str = "torchao is not installed") -> str:
+    """The one-line error for a missing (or unimportable) torchao."""
+    return (
+        f"float8.enable_float8_linear: needs torchao, and {reason}; install it with "
+        f"`pip install {TORCHAO_REQUIREMENT}` (scripts/install.sh does on a GPU machine) or set it to false"
+    )
+
+
+def check_layout(
+    job_config: JobConfig,
+    world_size: int,
+    device_type: str | None = None,
+    cuda_capability: tuple[int, int] | None = None,
+) -> ParallelDims:
     """The job's parallel degrees, once every rule above holds for them (the device rules only when
-    `device_type` is known: the preflight runs before torch can tell)."""
+    `device_type` is known: the preflight runs before torch can tell; `cuda_capability`: the GPU's)."""
     parallel_dims = parallel_dims_of(job_config, world_size)
     model_args = flavor_args(job_config.model)
     check_parallelism(job_config, parallel_dims, model_args)
@@ -147,4 +216,5 @@ def check_layout(job_config: JobConfig, world_size: int, device_type: str | None
     check_lr_schedule(job_config.lr_scheduler, job_config.training.steps)
     if device_type is not None:
         check_device(job_config, parallel_dims, device_type)
+    check_float8(job_config, parallel_dims, device_type, cuda_capability)
     return parallel_dims

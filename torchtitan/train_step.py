@@ -15,6 +15,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan.chunked_loss import chunked_cross_entropy
 from torchtitan.config_manager import JobConfig, TrainingConfig
 from torchtitan.config_rules import gradient_accumulation_steps
+from torchtitan.parallelisms.float8 import convert_to_float8
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.parallelize_llama import DTYPES, parallelize_llama, set_grad_all_reduce
 from torchtitan.parallelisms.pipeline_llama import Pipeline, StageIO, pipeline_llama
@@ -56,7 +57,9 @@ def parallelize_model(
     stage_io: StageIO | None = None,
 ) -> tuple[list[nn.Module], Pipeline | None]:
     """The modules this rank runs (its pipeline stages, or the whole model), parallelized, and its
-    pipeline (None without PP); still on the meta device. `stage_io`: see pipeline_llama."""
+    pipeline (None without PP); still on the meta device. `stage_io`: see pipeline_llama. With
+    `float8.enable_float8_linear`, the whole model's linear layers are converted to float8 first."""
+    convert_to_float8(model, job_config, parallel_dims)
     if parallel_dims.pp_enabled:
         stage_loss = functools.partial(stage_loss_fn, chunk_tokens=job_config.training.loss_chunk_tokens)
         pipeline, model_parts = pipeline_llama(

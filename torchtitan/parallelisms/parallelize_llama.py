@@ -18,7 +18,6 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -26,6 +25,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtitan.config_manager import JobConfig
+from torchtitan.parallelisms.float8 import float8_tensorwise_tp, tp_styles
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -37,7 +37,11 @@ def parallelize_llama(
     par = job_config.parallelism
     if parallel_dims.tp_enabled:
         apply_tp(
-            model, world_mesh["tp"], parallel_dims.loss_parallel_enabled, par.enable_async_tensor_parallel
+            model,
+            world_mesh["tp"],
+            parallel_dims.loss_parallel_enabled,
+            par.enable_async_tensor_parallel,
+            float8_tensorwise=float8_tensorwise_tp(job_config),
         )
     ac = job_config.activation_checkpoint
     if ac.mode != "none":
@@ -72,13 +76,22 @@ def parallelize_llama(
     return model
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, async_tp: bool) -> None:
+def apply_tp(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    loss_parallel: bool,
+    async_tp: bool,
+    float8_tensorwise: bool = False,
+) -> None:
     """Megatron-style tensor parallelism with sequence parallelism.
 
     Between blocks the residual stream is split along the sequence (Shard(1)): norms run on their
     slice, and each attention/feed-forward all-gathers it, runs column-wise then row-wise sharded
     projections (each rank holds a subset of heads / hidden units) and reduce-scatters back. With
-    loss parallel the logits stay sharded along the vocabulary for the loss."""
+    loss parallel the logits stay sharded along the vocabulary for the loss. With
+    `float8_tensorwise` (Float8Linears of the tensorwise recipe) the attention and feed-forward whose
+    linear layers are all Float8Linears take torchao's float8 styles, which all-gather their input in
+    float8; the root's styles stay plain (its output layer is kept out of float8 by default)."""
     root_plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
@@ -91,22 +104,22 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, async_t
     # A pipeline stage may lack the embeddings, the final norm or the output.
     root_plan = {name: style for name, style in root_plan.items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, root_plan)
-    block_plan = {
-        "attention_norm": SequenceParallel(),
-        "attention": PrepareModuleInput(
-            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
-        ),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
-    }
     for block in model.layers.values():
+        a_colwise, a_rowwise, a_prepare = tp_styles(block.attention, float8_tensorwise)
+        f_colwise, f_rowwise, f_prepare = tp_styles(block.feed_forward, float8_tensorwise)
+        block_plan = {
+            "attention_norm": SequenceParallel(),
+            "attention": a_prepare(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attention.wq": a_colwise(),
+            "attention.wk": a_colwise(),
+            "attention.wv": a_colwise(),
+            "attention.wo": a_rowwise(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": f_prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": f_colwise(),
+            "feed_forward.w2": f_rowwise(output_layouts=Shard(1)),
+            "feed_forward.w3": f_colwise(),
+        }
         parallelize_module(block, tp_mesh, block_plan)
     if async_tp:
         from torch._inductor import config as inductor_config

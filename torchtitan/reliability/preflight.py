@@ -3,13 +3,15 @@ second with one line, before any worker starts: run_llama_train.sh runs them bef
 (`python -m torchtitan.reliability.preflight`), and train.py runs them first thing however it is
 started. The rules between options are torchtitan/config_rules.py's; the exit codes errors.py's."""
 
+import importlib.util
 import os
+import subprocess
 import sys
 
 from torchtitan.checkpoint_folder import check_initial_load_path, check_load_step, checkpoint_folder
 from torchtitan.config_manager import ConfigError, JobConfig, resolve_path
 from torchtitan.config_parser import parse_args
-from torchtitan.config_rules import check_layout, check_lr_schedule
+from torchtitan.config_rules import check_float8, check_layout, check_lr_schedule
 from torchtitan.models import flavor_args
 from torchtitan.reliability.dump_lock import check_unlocked
 from torchtitan.reliability.errors import EXIT_BAD_INPUT, EXIT_OK, debug_enabled
@@ -27,10 +29,45 @@ def check_job(job_config: JobConfig, world_size: int | None) -> None:
         check_dataset_path("validation.dataset_path", path, resolve_path(path))
     flavor_args(job_config.model)
     check_lr_schedule(job_config.lr_scheduler, job_config.training.steps)
-    if world_size is not None:
-        check_layout(job_config, world_size)
+    parallel_dims = check_layout(job_config, world_size) if world_size is not None else None
+    if job_config.float8.enable_float8_linear:
+        device_type, cuda_capability = gpu_facts()
+        torchao_installed = importlib.util.find_spec("torchao") is not None
+        check_float8(job_config, parallel_dims, device_type, cuda_capability, torchao_installed)
     check_writable_folder("job.dump_folder", job_config.job.dump_folder)
     _check_checkpoint(job_config)
+
+
+# What shows that a machine has a GPU driver even without nvidia-smi (/dev/kfd: AMD's ROCm).
+GPU_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd")
+
+
+def gpu_facts() -> tuple[str | None, tuple[int, int] | None]:
+    """(device type, lowest compute capability) of the GPUs this job would see, told without torch:
+    ("cuda", (major, minor)) from nvidia-smi; ("cpu", None) when CUDA_VISIBLE_DEVICES hides every GPU or
+    there is no GPU driver at all; (None, None) when it cannot be told (an old driver, a GPU machine
+    without nvidia-smi), and train.py decides with torch."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and (not visible.strip() or visible.strip().startswith("-")):
+        return "cpu", None
+    command = ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"]
+    if visible is not None:
+        command += ["-i", visible.strip()]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        return (None, None) if any(os.path.exists(path) for path in GPU_DRIVER_PATHS) else ("cpu", None)
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    capabilities = []
+    for line in result.stdout.split():
+        major, _, minor = line.partition(".")
+        if not (major.isdigit() and minor.isdigit()):
+            return None, None
+        capabilities.append((int(major), int(minor)))
+    if result.returncode != 0 or not capabilities:
+        return None, None
+    return "cuda", min(capabilities)
 
 
 def check_model_files(job_config: JobConfig) -> None:
