@@ -10,7 +10,7 @@ import torch
 
 from torchtitan.checkpoint import CheckpointManager, TrainState
 from torchtitan.config_manager import JobConfig, resolve_path
-from torchtitan.config_rules import check_layout, gradient_accumulation_steps
+from torchtitan.config_rules import check_layout, gradient_accumulation_steps, mixture_sources
 from torchtitan.datasets.hf_datasets import build_hf_data_loader
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.distributed import (
@@ -46,7 +46,6 @@ def set_determinism(seed: int, deterministic: bool) -> None:
 
 def main(job_config: JobConfig) -> int:
     training = job_config.training
-    warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata's own deprecated call
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP on one process
     world_size, rank, device = init_distributed(job_config.comm.init_timeout_seconds)
     init_logger(rank)
@@ -65,7 +64,9 @@ def main(job_config: JobConfig) -> int:
     with bad_input("model.tokenizer_path"):
         tokenizer = Tokenizer(resolve_path(job_config.model.tokenizer_path))
     model_args = build_model_args(job_config, tokenizer.n_words)
-    with bad_input("training.dataset_path" if training.dataset_path else "training.dataset"):
+    mixture = mixture_sources(training)
+    data_option = "mixture" if mixture else "dataset_path" if training.dataset_path else "dataset"
+    with bad_input(f"training.{data_option}"):
         data_loader = build_hf_data_loader(
             training.dataset,
             training.dataset_path,
@@ -78,6 +79,10 @@ def main(job_config: JobConfig) -> int:
             seed=training.seed,
             shuffle=training.shuffle_windows,
             vocab_size=model_args.vocab_size,
+            mixture=mixture,
+            num_workers=training.data_workers,
+            prefetch=training.data_prefetch,
+            pin_memory=device.type == "cuda",
         )
 
     with torch.device("meta"):
@@ -154,7 +159,12 @@ def main(job_config: JobConfig) -> int:
             if metric_logger.should_log(step):
                 loss_value = dist_mean(dist_sum(loss, meshes.pp) if meshes.pp else loss, meshes.dp)
                 metric_logger.log(
-                    step, loss_value, grad_norm.item(), lr_scheduler.get_last_lr()[0], nonfinite.skipped
+                    step,
+                    loss_value,
+                    grad_norm.item(),
+                    lr_scheduler.get_last_lr()[0],
+                    nonfinite.skipped,
+                    data_loader.tokens_by_source(),
                 )
                 nonfinite.check(step, loss_value)
             if validator is not None and validator.should_validate(step):

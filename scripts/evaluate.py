@@ -34,7 +34,6 @@ from torchtitan.validation import Validator  # noqa: E402
 
 
 def evaluate(job_config: JobConfig) -> int:
-    warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata's own deprecated call
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP on one process
     world_size, rank, device = init_distributed(job_config.comm.init_timeout_seconds)
     parallel_dims = check_layout(job_config, world_size, device.type)

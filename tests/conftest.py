@@ -1,6 +1,8 @@
 """Keep tests offline and out of the home folder; subprocesses inherit these variables."""
 
+import json
 import os
+import runpy
 import tempfile
 from pathlib import Path
 
@@ -31,3 +33,21 @@ def tok():
     from torchtitan.datasets.tokenizer import Tokenizer
 
     return Tokenizer(Path(__file__).resolve().parents[1] / "assets/tokenizer/kjv_bpe.tiktoken")
+
+
+TEXT_DOCS = [f"Text {i}: " + "and it came to pass " * (i % 5 + 1) for i in range(30)]
+TOKEN_DOCS = [f"Token {i}: " + "in the beginning " * (i % 3 + 2) for i in range(10)]
+
+
+@pytest.fixture(scope="module")
+def text_and_tokens(tmp_path_factory: pytest.TempPathFactory, hf_cache) -> tuple[Path, Path]:
+    """A text file (TEXT_DOCS) and a pre-tokenized folder (TOKEN_DOCS): two kinds of mixture source."""
+    root = Path(__file__).resolve().parents[1]
+    tmp = tmp_path_factory.mktemp("sources")
+    text, tokens = tmp / "text.jsonl", tmp / "tokens.jsonl"
+    text.write_text("".join(json.dumps({"text": d}) + "\n" for d in TEXT_DOCS))
+    tokens.write_text("".join(json.dumps({"text": d}) + "\n" for d in TOKEN_DOCS))
+    run = runpy.run_path(str(root / "scripts" / "pretokenize.py"))["run"]
+    job = ["--job.config_file", str(root / "train_configs" / "debug_model.toml")]
+    assert run([*job, "--training.dataset_path", str(tokens), "--output", str(tmp / "tokens")]) == 0
+    return text, tmp / "tokens"

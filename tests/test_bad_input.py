@@ -180,11 +180,11 @@ def evil_metadata(step_dir: Path, tmp: Path) -> None:
 
 
 def evil_item(step_dir: Path, tmp: Path) -> None:
-    """A checkpoint whose data loader state holds a pickled payload instead of a plain value (the loader's
-    count of batches, a non-tensor item that every resume loads)."""
+    """A checkpoint whose optimizer state holds a pickled payload instead of a plain value (a parameter
+    group's learning rate, a non-tensor item that every resume loads)."""
     state = read_checkpoint(str(step_dir))
     shutil.rmtree(step_dir)
-    state["dataloader._num_yielded"] = Evil(tmp / "pwned")
+    state["optimizer.param_groups.output.weight.lr"] = Evil(tmp / "pwned")
     dcp.save(state, checkpoint_id=str(step_dir), no_dist=True)
 
 
@@ -368,6 +368,21 @@ CASES = [
         args("--training.dataset", "wikipedia"),
         "training.dataset: Unknown dataset 'wikipedia'",
     ),
+    Case(
+        "mixture weight negative",
+        args("--training.mixture", "kjv:-1"),
+        "training.mixture: 'kjv:-1' has weight -1; weights must be >= 0",
+    ),
+    Case(
+        "mixture weights all zero",
+        args("--training.mixture", "kjv:0,kjv_validation:0"),
+        "training.mixture: every weight is 0",
+    ),
+    Case(
+        "mixture unknown source",
+        args("--training.mixture", "kjv:1,wikipedia:1"),
+        "training.mixture: unknown source wikipedia: not a dataset name (c4, kjv, kjv_validation)",
+    ),
     Case("unknown flavor", args("--model.flavor", "3B"), "model.flavor: llama3 has no flavor '3B'"),
     # Validation data (checked before the first training step)
     Case(
@@ -531,7 +546,7 @@ def test_project_state_loads_as_plain_data(trained):
     """Every non-tensor item of a real checkpoint passes weights_only=True."""
     state = read_checkpoint(str(trained / "checkpoint" / "step-1"))
     plain = {key: value for key, value in state.items() if not isinstance(value, torch.Tensor)}
-    assert isinstance(plain["dataloader._num_yielded"], int)
+    assert isinstance(plain["optimizer.param_groups.output.weight.lr"], float)
     streams = {key: value for key, value in state.items() if key.startswith("dataloader.dataset_state.")}
     assert len(streams) == 8 and all(v.dtype == torch.int64 and v.shape == (4,) for v in streams.values())
     assert any(key.startswith("optimizer.param_groups.") for key in plain)

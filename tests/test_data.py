@@ -13,9 +13,9 @@ import datasets  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
-from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
 from torchtitan.datasets.hf_datasets import HuggingFaceDataset, build_hf_data_loader, load_text_dataset  # noqa: E402
+from torchtitan.datasets.loader import DataLoader  # noqa: E402
 from torchtitan.datasets.tokenizer import Tokenizer  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +55,7 @@ def docs_loaders(tok, layout: tuple[int, ...], docs_file: Path, streaming: bool,
         else:
             ds = load_text_dataset("docs", str(docs_file))
         dataset = HuggingFaceDataset("docs", ds, tok, SEQ_LEN, batch, world, rank, accum, **kwargs)
-        out.append(StatefulDataLoader(dataset, batch_size=batch))
+        out.append(DataLoader(dataset, batch))
     return out
 
 
@@ -186,7 +186,7 @@ def test_each_rank_tokenizes_its_share(tok, streaming):
             else:
                 ds = load_text_dataset("kjv")
             dataset = HuggingFaceDataset("kjv", ds, counter, seq_len, batch, world, rank)
-            it = iter(StatefulDataLoader(dataset, batch_size=batch))
+            it = iter(DataLoader(dataset, batch))
             yielded = sum(next(it)[0].numel() for _ in range(steps))
             assert yielded == steps * batch * seq_len
             assert counter.count <= 1.25 * yielded, (world, rank, counter.count / yielded)
@@ -250,7 +250,7 @@ def test_dcp_checkpoint_reshard(tok, docs_file, streaming, tmp_path: Path):
 
 
 def test_reshard_stateful_dataloader(tok):
-    """Same through StatefulDataLoader state dicts, as the checkpointer sees them."""
+    """Same through the loaders' state dicts, as the checkpointer sees them."""
     before = loaders(tok, (2, 2))
     global_batches(before, 3)
     state = merged_state(before)

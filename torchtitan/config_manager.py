@@ -82,11 +82,24 @@ class TrainingConfig:
     dataset_path: str | None = opt(
         None, "Local file or folder (txt/json/jsonl/parquet) overriding the dataset"
     )
+    mixture: list[str] = opt(
+        [],
+        "Train on several sources instead of dataset/dataset_path, each 'source:weight' (a dataset name, "
+        "a local file or folder, or a pre-tokenized folder; weight 1 when left out): every row of every "
+        "global batch comes from one source, drawn by weight (docs/datasets.md)",
+    )
     shuffle_windows: bool = opt(
         False,
         "Pre-tokenized data (a dataset_path with manifest.json): read its windows in an order seeded by "
         "training.seed, a new one each epoch; off: in order",
     )
+    data_workers: int = opt(
+        1,
+        "Processes per rank that read and tokenize data ahead of the training step, each making some rows "
+        "of every batch (at most batch_size of them); 0: on the training thread",
+        min=0,
+    )
+    data_prefetch: int = opt(2, "Batches each data worker prepares ahead", min=1)
     batch_size: int = opt(8, "Per-rank batch size (sequences)", min=1)
     seq_len: int = opt(2048, "Sequence length (tokens)", min=1)
     max_norm: float = opt(1.0, "Clip gradients to this global L2 norm; 0 disables clipping", min=0.0)

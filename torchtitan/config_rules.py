@@ -5,6 +5,8 @@ Torch-free: the preflight (torchtitan/reliability/preflight.py) runs these check
 starts, and train.py and the scripts run them again with what only a worker knows (the device). Each
 raises a ConfigError naming the first bad option and the fix."""
 
+import math
+
 from torchtitan.config_manager import ConfigError, JobConfig, LRSchedulerConfig, TrainingConfig
 from torchtitan.models import flavor_args
 from torchtitan.models.llama import ModelArgs
@@ -102,6 +104,34 @@ def check_validation(job_config: JobConfig, parallel_dims: ParallelDims) -> None
             f"validation.batch_size: {batch_size} differs from training.batch_size {training_batch_size}, "
             "and pipeline stages run one micro-batch shape; set it to -1 with pipeline parallelism"
         )
+
+
+def mixture_sources(training_config: TrainingConfig) -> list[tuple[str, float]]:
+    """training.mixture as (source, weight) pairs: 'source:weight' items, the weight 1 when left out."""
+    if training_config.mixture and training_config.dataset_path is not None:
+        raise ConfigError(
+            "training.mixture: set either training.mixture or training.dataset_path (a mixture names its "
+            "files itself); remove one"
+        )
+    sources: list[tuple[str, float]] = []
+    for item in training_config.mixture:
+        source, sep, weight_text = item.rpartition(":")
+        if not sep or not source:
+            source, weight_text = item, "1"
+        try:
+            weight = float(weight_text)
+        except ValueError:
+            raise ConfigError(
+                f"training.mixture: {item!r} has weight {weight_text!r}, not a number; write 'source:weight'"
+            ) from None
+        if not math.isfinite(weight) or weight < 0:
+            raise ConfigError(f"training.mixture: {item!r} has weight {weight_text}; weights must be >= 0")
+        if source in (s for s, _ in sources):
+            raise ConfigError(f"training.mixture: {source!r} is listed twice; give each source once")
+        sources.append((source, weight))
+    if sources and not any(weight > 0 for _, weight in sources):
+        raise ConfigError("training.mixture: every weight is 0; give at least one source a positive weight")
+    return sources
 
 
 def check_lr_schedule(lr_scheduler_config: LRSchedulerConfig, total_steps: int) -> None:

@@ -167,9 +167,17 @@ class MetricLogger:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         return peak / 2**30, 100 * peak / total
 
-    def log(self, step: int, loss: float, grad_norm: float, lr: float, skipped_steps: int) -> None:
+    def log(
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        skipped_steps: int,
+        source_tokens: dict[str, int] | None = None,
+    ) -> None:
         """Log the window that ends at `step`; `skipped_steps` counts the steps so far whose
-        non-finite gradients were dropped."""
+        non-finite gradients were dropped; `source_tokens`: a mixture's tokens per source so far."""
         now = time.perf_counter()
         step_time, steps = now - self._window_start, max(self._window_steps, 1)
         tps = self.tokens_per_step * self._window_steps / step_time if step_time > 0 else 0.0
@@ -191,6 +199,8 @@ class MetricLogger:
             "time": time.time(),
             "skipped_steps": skipped_steps,
         }
+        if source_tokens is not None:
+            record["source_tokens"] = source_tokens
         if self.is_logging_rank:
             self._write(record, mfu, eta)
         self._window_start, self._window_steps, self._data_time = time.perf_counter(), 0, 0.0

@@ -13,7 +13,6 @@ batch size. A different global batch size deals the documents differently and ca
 """
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,38 +21,23 @@ import torch
 from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patterns
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
-from torchdata.stateful_dataloader import StatefulDataLoader
 
-from torchtitan.datasets.pretokenized import PretokenizedDataset, is_pretokenized, read_manifest
+from torchtitan.datasets.loader import DataLoader
+from torchtitan.datasets.mixture import MixtureDataset, PretokenizedSource, Source, TextSource
+from torchtitan.datasets.pretokenized import PretokenizedDataset, TokenWindows, is_pretokenized, read_manifest
+from torchtitan.datasets.registry import DATASETS, DatasetSpec
 from torchtitan.datasets.streams import (
     MapDocuments,
     PackedStream,
     StreamingDocuments,
     TextTokenizer,
+    micro_batch_rows,
     too_small,
 )
 from torchtitan.logging import logger
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-
-@dataclass(frozen=True)
-class DatasetSpec:
-    """Where a named dataset lives and how to read it."""
-
-    path: str  # hub id, or a folder/file relative to the repository root when `local`
-    local: bool = False
-    config: str | None = None  # hub config name, e.g. "en" for C4
-    split: str | None = None  # pins the split (validation aliases); None uses the caller's split
-    streaming: bool = False
-    text_field: str = "text"
-
-
-DATASETS: dict[str, DatasetSpec] = {
-    "kjv": DatasetSpec(path="assets/corpus/kjv", local=True),
-    "kjv_validation": DatasetSpec(path="assets/corpus/kjv", local=True, split="validation"),
-    "c4": DatasetSpec(path="allenai/c4", config="en", streaming=True),
-}
 
 # File suffix -> HF `datasets` builder. Compressed copies (e.g. C4's *.json.gz shards) work too.
 _BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -176,10 +160,8 @@ class HuggingFaceDataset(IterableDataset, Stateful):
         self.seq_len = seq_len
         self.infinite = infinite
         self.num_streams = grad_accum_steps * batch_size * dp_world_size
-        per_pass = batch_size * dp_world_size
         # This rank's streams, one list per micro-batch of an optimizer step.
-        rows = range(dp_rank * batch_size, (dp_rank + 1) * batch_size)
-        self._groups = [[m * per_pass + j for j in rows] for m in range(grad_accum_steps)]
+        self._groups = micro_batch_rows(batch_size, dp_world_size, dp_rank, grad_accum_steps)
         mine = [s for group in self._groups for s in group]
         if isinstance(ds, datasets.Dataset):
             self._documents = MapDocuments(dataset_name, ds, self.num_streams)
@@ -226,9 +208,15 @@ class HuggingFaceDataset(IterableDataset, Stateful):
             for group in self._groups:
                 if self._streams[group[0]].windows > step:
                     continue
-                for s in group:
-                    row = self._streams[s].next_window()
-                    yield row[:-1], row[1:]
+                batch = torch.stack([self._streams[s].next_window() for s in group])
+                yield batch[:, :-1], batch[:, 1:]
+
+    def keep_share(self, worker: int, num_workers: int) -> None:
+        """Keep rows ``worker, worker + num_workers, ...`` of each micro-batch (data loading workers)."""
+        self._groups = [group[worker::num_workers] for group in self._groups]
+        kept = {s for group in self._groups for s in group}
+        self._streams = {s: stream for s, stream in self._streams.items() if s in kept}
+        self._documents.reset({s: (stream.epoch, stream.doc) for s, stream in self._streams.items()})
 
     def _key(self) -> str:
         return f"global_batch_{self.num_streams}"
@@ -256,6 +244,25 @@ class HuggingFaceDataset(IterableDataset, Stateful):
         self._documents.reset({s: (stream.epoch, stream.doc) for s, stream in self._streams.items()})
 
 
+def _mixture_reader(
+    source: str,
+    split: str,
+    tokenizer: TextTokenizer,
+    seq_len: int,
+    num_streams: int,
+    rows: list[int],
+    seed: int,
+    shuffle: bool,
+    vocab_size: int | None,
+) -> TextSource | PretokenizedSource:
+    """A mixture source: a registered name, else a path (pre-tokenized folder, or text files)."""
+    if source not in DATASETS and is_pretokenized(folder := _resolve_local_path(source)):
+        manifest = read_manifest(folder, tokenizer.model_path, vocab_size or tokenizer.n_words)
+        return PretokenizedSource(source, TokenWindows(folder, manifest, seq_len + 1), seed, shuffle)
+    ds = load_text_dataset(source, None if source in DATASETS else source, split)
+    return TextSource(source, ds, tokenizer, seq_len + 1, num_streams, rows)
+
+
 def build_hf_data_loader(
     dataset_name: str,
     dataset_path: str | None,
@@ -270,7 +277,11 @@ def build_hf_data_loader(
     seed: int = 0,
     shuffle: bool = False,
     vocab_size: int | None = None,
-) -> StatefulDataLoader:
+    mixture: list[tuple[str, float]] | None = None,
+    num_workers: int = 0,
+    prefetch: int = 2,
+    pin_memory: bool = False,
+) -> DataLoader:
     """One data-parallel rank's loader of ``(input_ids, labels)`` batches, both ``(batch_size, seq_len)``.
 
     `batch_size` is per rank; each optimizer step takes `grad_accum_steps` batches. The windows depend only
@@ -280,7 +291,33 @@ def build_hf_data_loader(
     A `dataset_path` folder with a manifest.json is pre-tokenized data (pretokenized.py), read by memory map
     and checked against `tokenizer`'s file and the model's `vocab_size` (default: the tokenizer's); `seed`
     and `shuffle` order its windows. Its state resumes under any layout and global batch size.
+
+    `mixture` ((source, weight) pairs: registered names, text files or folders, pre-tokenized folders)
+    draws every row from one of them by weight instead (mixture.py); `dataset_name` and `dataset_path`
+    are then unused.
+
+    `num_workers` processes make the batches, `prefetch` each ahead, in pinned memory with `pin_memory`
+    (loader.py); the loader's state is the same with or without them.
     """
+    if mixture:
+        rows = [
+            row
+            for group in micro_batch_rows(batch_size, dp_world_size, dp_rank, grad_accum_steps)
+            for row in group
+        ]
+        num_streams = grad_accum_steps * batch_size * dp_world_size
+        sources = [
+            Source(
+                name,
+                weight,
+                _mixture_reader(
+                    name, split, tokenizer, seq_len, num_streams, rows, seed, shuffle, vocab_size
+                ),
+            )
+            for name, weight in mixture
+        ]
+        dataset = MixtureDataset(sources, seq_len, batch_size, dp_world_size, dp_rank, grad_accum_steps, seed)
+        return DataLoader(dataset, batch_size, num_workers, prefetch, pin_memory)
     if dataset_path is not None and is_pretokenized(folder := _resolve_local_path(dataset_path)):
         manifest = read_manifest(folder, tokenizer.model_path, vocab_size or tokenizer.n_words)
         pretokenized = PretokenizedDataset(
@@ -295,8 +332,7 @@ def build_hf_data_loader(
             seed=seed,
             shuffle=shuffle,
         )
-        # The dataset yields whole micro-batches: no per-row collation.
-        return StatefulDataLoader(pretokenized, batch_size=None, num_workers=0, generator=torch.Generator())
+        return DataLoader(pretokenized, batch_size, num_workers, prefetch, pin_memory)
     ds = load_text_dataset(dataset_name, dataset_path, split)
     dataset = HuggingFaceDataset(
         dataset_name,
@@ -309,6 +345,4 @@ def build_hf_data_loader(
         grad_accum_steps=grad_accum_steps,
         infinite=infinite,
     )
-    # A generator of its own: each iter() draws a seed from it, which would otherwise advance the global
-    # RNG after the checkpointed RNG state is restored, and a resumed run's state would drift.
-    return StatefulDataLoader(dataset, batch_size=batch_size, num_workers=0, generator=torch.Generator())
+    return DataLoader(dataset, batch_size, num_workers, prefetch, pin_memory)

@@ -30,6 +30,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
+from torchtitan.datasets.streams import micro_batch_rows
 from torchtitan.logging import logger
 
 FORMAT_VERSION = 1
@@ -111,7 +112,8 @@ def read_manifest(folder: Path, tokenizer_path: str | Path, vocab_size: int) -> 
     return manifest
 
 
-def _splitmix64(x: int) -> int:
+def splitmix64(x: int) -> int:
+    """A 64-bit mixing function: consecutive inputs give unrelated outputs."""
     x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
@@ -128,12 +130,12 @@ class WindowOrder:
         self.n = n
         self.half = max(1, math.ceil(math.log2(max(n, 2)) / 2))
         self.mask = (1 << self.half) - 1
-        self.keys = [_splitmix64(_splitmix64(seed) ^ (epoch << 8 | r)) for r in range(self.ROUNDS)]
+        self.keys = [splitmix64(splitmix64(seed) ^ (epoch << 8 | r)) for r in range(self.ROUNDS)]
 
     def _permute(self, x: int) -> int:
         left, right = x >> self.half, x & self.mask
         for key in self.keys:
-            left, right = right, left ^ (_splitmix64(key ^ right) & self.mask)
+            left, right = right, left ^ (splitmix64(key ^ right) & self.mask)
         return left << self.half | right
 
     def __call__(self, i: int) -> int:
@@ -141,6 +143,31 @@ class WindowOrder:
         while x >= self.n:
             x = self._permute(x)
         return x
+
+
+class TokenWindows:
+    """The windows of `window` tokens cut from the concatenated shards of a pre-tokenized folder, read by
+    index from memory maps: window w is tokens ``[w * window, (w + 1) * window)``, the tail dropped."""
+
+    def __init__(self, folder: Path, manifest: dict[str, Any], window: int):
+        dtype = DTYPES[manifest["dtype"]]
+        shards = [s for s in manifest["shards"] if s["num_tokens"] > 0]
+        self._tokens = [np.memmap(folder / s["tokens"], dtype=dtype, mode="r") for s in shards]
+        self._starts = np.cumsum([0] + [s["num_tokens"] for s in shards]).tolist()
+        self.window = window
+        self.num_windows = self._starts[-1] // window
+
+    def read(self, w: int) -> np.ndarray:
+        """Window w (it may span shards)."""
+        start, end = w * self.window, (w + 1) * self.window
+        pieces = []
+        shard = bisect_right(self._starts, start) - 1
+        while start < end:
+            offset = self._starts[shard]
+            take = min(end, self._starts[shard + 1])
+            pieces.append(self._tokens[shard][start - offset : take - offset])
+            start, shard = take, shard + 1
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
 
 class PretokenizedDataset(IterableDataset, Stateful):
@@ -160,12 +187,8 @@ class PretokenizedDataset(IterableDataset, Stateful):
         seed: int = 0,
         shuffle: bool = False,
     ):
-        dtype = DTYPES[manifest["dtype"]]
-        shards = [s for s in manifest["shards"] if s["num_tokens"] > 0]
-        self._tokens = [np.memmap(folder / s["tokens"], dtype=dtype, mode="r") for s in shards]
-        self._starts = np.cumsum([0] + [s["num_tokens"] for s in shards]).tolist()
-        self.window = seq_len + 1
-        self.num_windows = self._starts[-1] // self.window
+        self.windows = TokenWindows(folder, manifest, seq_len + 1)
+        self.window, self.num_windows = self.windows.window, self.windows.num_windows
         self.global_batch = grad_accum_steps * batch_size * dp_world_size
         if self.num_windows < self.global_batch:
             raise ValueError(
@@ -177,23 +200,9 @@ class PretokenizedDataset(IterableDataset, Stateful):
         self.infinite = infinite
         self.shuffle = shuffle and infinite  # evaluation reads the windows in order
         self.seed = seed
-        # This rank's rows of a step, one range per micro-batch.
-        per_pass = batch_size * dp_world_size
-        self._micro_rows = [m * per_pass + dp_rank * batch_size for m in range(grad_accum_steps)]
-        self.batch_size = batch_size
+        # This rank's rows of a step, one list per micro-batch.
+        self._micro_rows = micro_batch_rows(batch_size, dp_world_size, dp_rank, grad_accum_steps)
         self.load_state_dict(self._fresh_state())
-
-    def _read(self, w: int) -> np.ndarray:
-        """Window w of the concatenated shards (it may span shards)."""
-        start, end = w * self.window, (w + 1) * self.window
-        pieces = []
-        shard = bisect_right(self._starts, start) - 1
-        while start < end:
-            offset = self._starts[shard]
-            take = min(end, self._starts[shard + 1])
-            pieces.append(self._tokens[shard][start - offset : take - offset])
-            start, shard = take, shard + 1
-        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     def _order(self):
         return WindowOrder(self.num_windows, self.seed, self.epoch) if self.shuffle else (lambda i: i)
@@ -209,13 +218,17 @@ class PretokenizedDataset(IterableDataset, Stateful):
                 logger.warning(f"Dataset {self.folder} is being re-looped: starting epoch {self.epoch}")
                 order = self._order()
             for m in range(self.micro, len(self._micro_rows)):
-                first = self.consumed + self._micro_rows[m]
-                rows = np.stack([self._read(order(first + i)) for i in range(self.batch_size)])
+                windows = [order(self.consumed + row) for row in self._micro_rows[m]]
+                rows = np.stack([self.windows.read(w) for w in windows])
                 batch = torch.from_numpy(rows.astype(np.int64))
                 self.micro = m + 1
                 if self.micro == len(self._micro_rows):  # the state taken after a step counts it
                     self.consumed, self.micro = self.consumed + self.global_batch, 0
                 yield batch[:, :-1], batch[:, 1:]
+
+    def keep_share(self, worker: int, num_workers: int) -> None:
+        """Keep rows ``worker, worker + num_workers, ...`` of each micro-batch (data loading workers)."""
+        self._micro_rows = [rows[worker::num_workers] for rows in self._micro_rows]
 
     def _fresh_state(self) -> dict[str, Any]:
         return {"pretokenized": torch.tensor([0, 0, 0, self.global_batch], dtype=torch.long)}

@@ -18,6 +18,16 @@ class TextTokenizer(Protocol):
     def encode(self, s: str, bos: bool, eos: bool) -> list[int]: ...
 
 
+def micro_batch_rows(
+    batch_size: int, dp_world_size: int, dp_rank: int, grad_accum_steps: int
+) -> list[list[int]]:
+    """The global rows of each of a rank's micro-batches in an optimizer step: micro-batch m of rank r holds
+    rows ``m * D * b + r * b + [0, b)`` (D ranks, per-rank batch b), whatever the loader."""
+    per_pass = batch_size * dp_world_size
+    first = dp_rank * batch_size
+    return [[m * per_pass + first + i for i in range(batch_size)] for m in range(grad_accum_steps)]
+
+
 def too_small(name: str, num_docs: int, num_streams: int) -> ValueError:
     return ValueError(
         f"Dataset {name!r} has {num_docs} documents, fewer than the {num_streams} sequences of a global "

@@ -11,11 +11,18 @@ import sys
 from torchtitan.checkpoint_folder import check_initial_load_path, check_load_step, checkpoint_folder
 from torchtitan.config_manager import ConfigError, JobConfig, resolve_path
 from torchtitan.config_parser import parse_args
-from torchtitan.config_rules import check_float8, check_layout, check_lr_schedule
+from torchtitan.config_rules import check_float8, check_layout, check_lr_schedule, mixture_sources
+from torchtitan.datasets.registry import DATASETS
 from torchtitan.models import flavor_args
 from torchtitan.reliability.dump_lock import check_unlocked
 from torchtitan.reliability.errors import EXIT_BAD_INPUT, EXIT_OK, debug_enabled
-from torchtitan.reliability.paths import check_dataset_path, check_file, check_folder, check_writable_folder
+from torchtitan.reliability.paths import (
+    check_dataset_path,
+    check_file,
+    check_folder,
+    check_writable_folder,
+    shown,
+)
 
 
 def check_job(job_config: JobConfig, world_size: int | None) -> None:
@@ -25,6 +32,8 @@ def check_job(job_config: JobConfig, world_size: int | None) -> None:
     check_model_files(job_config)
     if (path := job_config.training.dataset_path) is not None:
         check_dataset_path("training.dataset_path", path, resolve_path(path))
+    for source, _ in mixture_sources(job_config.training):
+        check_mixture_source(source)
     if job_config.validation.enable and (path := job_config.validation.dataset_path) is not None:
         check_dataset_path("validation.dataset_path", path, resolve_path(path))
     flavor_args(job_config.model)
@@ -68,6 +77,19 @@ def gpu_facts() -> tuple[str | None, tuple[int, int] | None]:
     if result.returncode != 0 or not capabilities:
         return None, None
     return "cuda", min(capabilities)
+
+
+def check_mixture_source(source: str) -> None:
+    """A mixture source is a registered dataset name or an existing file or folder."""
+    if source in DATASETS:
+        return
+    resolved = resolve_path(source)
+    if not os.path.lexists(resolved):
+        raise ConfigError(
+            f"training.mixture: unknown source {shown(source)}: not a dataset name "
+            f"({', '.join(sorted(DATASETS))}) nor an existing file or folder; fix the name or the path"
+        )
+    check_dataset_path("training.mixture", source, resolved)
 
 
 def check_model_files(job_config: JobConfig) -> None:

@@ -1,0 +1,153 @@
+"""The data loader: a dataset's micro-batches, made in worker processes ahead of the training step.
+
+The datasets (text streams, pre-tokenized, mixture) yield whole micro-batches and keep all their position
+in `state_dict()`. With N workers (`training.data_workers`), worker w makes rows ``w, w + N, ...`` of every
+micro-batch (`keep_share`), so tokenizing is shared and each text stream lives in one worker only. Each
+part travels with its worker's state taken right after it was made; the loader joins the N parts of a
+micro-batch and merges the N states. Its state is therefore that of the last micro-batch training took,
+never of the ones prefetched, and it has the same keys as without workers: a checkpoint resumes exactly,
+with or without workers, on any layout the dataset allows.
+"""
+
+import ctypes
+import functools
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils.data import DataLoader as TorchDataLoader
+from torch.utils.data import IterableDataset, get_worker_info
+
+from torchtitan.datasets.mixture import MixtureDataset
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class ShardableDataset(Protocol):
+    def __iter__(self) -> Iterator[Batch]: ...
+    def keep_share(self, worker: int, num_workers: int) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _init_worker(trainer_pid: int, worker_id: int) -> None:
+    """A preemption signal sent to the whole process group must reach the trainer only: it saves after
+    the step, and needs its workers until then. A worker dies with the trainer: forked, it holds copies
+    of the trainer's sockets (its process group's), and outliving a killed trainer it would keep the
+    other ranks from seeing the connection drop, so that they would wait for their timeout."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != trainer_pid:  # the trainer died before prctl took effect
+        os._exit(1)
+
+
+class _WorkerShare(IterableDataset):
+    """Runs in a worker: its share of every micro-batch, each with the state right after it."""
+
+    def __init__(self, dataset: ShardableDataset, num_workers: int):
+        self.dataset = dataset
+        self.num_workers = num_workers
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
+        self.dataset.keep_share(get_worker_info().id, self.num_workers)
+        for inputs, labels in self.dataset:
+            # As plain ints: a tensor (or an array, which the loader turns into one) per state entry would
+            # cost a shared-memory segment per batch. All dataset states are int64 tensors.
+            yield inputs, labels, _map_state(torch.Tensor.tolist, self.dataset.state_dict())
+
+
+def _map_state(fn: Callable[[Any], Any], state: dict[str, Any]) -> dict[str, Any]:
+    """`fn` of every value of a nested state dict."""
+    return {
+        key: _map_state(fn, value) if isinstance(value, dict) else fn(value) for key, value in state.items()
+    }
+
+
+def _merge(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """The union of the workers' states: each holds its own streams and the same shared counters."""
+    merged: dict[str, Any] = {}
+    for state in states:
+        for key, value in state.items():
+            if isinstance(value, dict):
+                merged[key] = _merge([merged.get(key, {}), value])
+            else:
+                merged.setdefault(key, value)
+    return merged
+
+
+class DataLoader(Stateful):
+    """`dataset`'s micro-batches, from `num_workers` processes (0: made on the calling thread), each
+    preparing `prefetch` micro-batches ahead; `pin_memory` (CUDA) puts them in page-locked memory for
+    non-blocking copies. There are at most `batch_size` workers: each makes some rows of every batch."""
+
+    def __init__(
+        self,
+        dataset: ShardableDataset,
+        batch_size: int,
+        num_workers: int = 0,
+        prefetch: int = 2,
+        pin_memory: bool = False,
+    ):
+        self.dataset = dataset
+        self.num_workers = min(num_workers, batch_size)
+        self.prefetch = prefetch
+        self.pin_memory = pin_memory
+        self._state: dict[str, Any] | None = None  # of the last micro-batch taken from the workers
+
+    def __iter__(self) -> Iterator[Batch]:
+        if self.num_workers == 0:
+            yield from self.dataset
+            return
+        workers = TorchDataLoader(
+            _WorkerShare(self.dataset, self.num_workers),
+            batch_size=None,
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch,
+            pin_memory=self.pin_memory and self.num_workers == 1,
+            worker_init_fn=functools.partial(_init_worker, os.getpid()),
+            # Its own generator: drawing the workers' base seed must not advance the checkpointed RNG.
+            generator=torch.Generator(),
+        )
+        parts = iter(workers)
+        for first in parts:  # workers take turns: part w of a micro-batch comes from worker w
+            shares = [first] + [next(parts) for _ in range(self.num_workers - 1)]
+            self._state = _map_state(
+                lambda v: torch.tensor(v, dtype=torch.long), _merge([s[2] for s in shares])
+            )
+            yield self._join([s[0] for s in shares]), self._join([s[1] for s in shares])
+
+    def _join(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Rows ``w, w + N, ...`` from part w."""
+        if len(parts) == 1:
+            return parts[0]
+        rows = sum(p.shape[0] for p in parts)
+        out = torch.empty((rows, *parts[0].shape[1:]), dtype=parts[0].dtype, pin_memory=self.pin_memory)
+        for w, part in enumerate(parts):
+            out[w :: len(parts)] = part
+        return out
+
+    def tokens_by_source(self) -> dict[str, int] | None:
+        """A mixture's tokens taken from each source up to the last micro-batch taken; None otherwise."""
+        if not isinstance(self.dataset, MixtureDataset):
+            return None
+        return self.dataset.tokens_by_source(self.state_dict()["dataset_state"])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The dataset's position after the last micro-batch taken, under "dataset_state"."""
+        if self.num_workers == 0 or self._state is None:
+            return {"dataset_state": self.dataset.state_dict()}
+        return {"dataset_state": self._state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Takes effect at the next `iter()`: workers start from a copy of the dataset."""
+        self.dataset.load_state_dict(state_dict["dataset_state"])
+        self._state = None
