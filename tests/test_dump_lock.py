@@ -88,7 +88,8 @@ def test_second_launch_is_refused_while_the_first_trains_on(tmp_path):
         first.send_signal(signal.SIGSTOP)
         paused = True
         assert lock_holder_pid(dump / LOCK_NAME) == first.pid
-        assert (dump / "metrics.jsonl").read_text().count("\n") < STEPS, "the first job ended before the pause"
+        logged = (dump / "metrics.jsonl").read_text().count("\n")
+        assert logged < STEPS, "the first job ended before it was paused"
         start = time.time()
         second = subprocess.run(
             [str(ROOT / "run_llama_train.sh"), *job[2:]],
