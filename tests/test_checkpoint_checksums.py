@@ -1,13 +1,13 @@
 """Every save writes checksums.json, listing every file of the checkpoint (with several ranks, each
-rank's own files); a load checks it first unless checkpoint.verify_checksums is off, and a checkpoint
-without one loads unverified. The damaged-checkpoint cases are in test_bad_input.py's table."""
+rank's own files: test_checkpoint_resume.py's fsdp2_async case checks its two-rank checkpoints); a load
+checks it first unless checkpoint.verify_checksums is off, and a checkpoint without one loads
+unverified. The damaged-checkpoint cases are in test_bad_input.py's table."""
 
 import json
 import logging
 from pathlib import Path
 
 import pytest
-from launch import run_train
 from test_checkpoint import Run, assert_same
 
 from torchtitan.checkpoint_checksums import MANIFEST, file_checksum
@@ -36,17 +36,6 @@ def test_every_save_lists_every_file(tmp_path, async_mode):
     run.checkpoint.close()
     for step in (1, 2):
         assert_manifest_complete(tmp_path / "checkpoint" / f"step-{step}", {".metadata", "__0_0.distcp"})
-
-
-def test_two_ranks_each_checksum_their_own_files(tmp_path):
-    """Step 1 is written by the ranks' background processes (async), step 2 synchronously; the
-    coordinator's manifest holds the other rank's shard too."""
-    args = ["--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "1", "--training.steps", "2"]
-    result = run_train(2, tmp_path, *args, "--checkpoint.async_mode", "async")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    for step in (1, 2):
-        step_dir = tmp_path / "checkpoint" / f"step-{step}"
-        assert_manifest_complete(step_dir, {".metadata", "__0_0.distcp", "__1_0.distcp"})
 
 
 def test_verification_can_be_skipped(tmp_path):

@@ -3,6 +3,7 @@ left by a dead job is taken over."""
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -56,18 +57,39 @@ def test_stale_lock_is_taken_over(tmp_path, host, age, taken_over):
         assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid() == lock.holder.pid
 
 
+def lock_holder_pid(path) -> int | None:
+    """The pid named in a lock file, None until it is there and complete."""
+    try:
+        return json.loads(path.read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+STEPS = 20
+
+
 def test_second_launch_is_refused_while_the_first_trains_on(tmp_path):
+    """The first job is paused (SIGSTOP: alive, holding its lock) once it has trained a step, while
+    the two refused launches run, then goes on to its last step: however slow the machine, the
+    refusals happen mid-training, so a few steps are enough (no race with the first job's end)."""
     dump = tmp_path / "dump"
-    job = [*TINY_JOB, "--training.steps", "200", "--job.dump_folder", str(dump)]
+    job = [*TINY_JOB, "--training.steps", str(STEPS), "--job.dump_folder", str(dump)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     first = subprocess.Popen(
         [sys.executable, str(ROOT / "train.py"), *job], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
     )
+    paused = False
     try:
         deadline = time.time() + 120
-        while not (dump / LOCK_NAME).exists():
-            assert first.poll() is None and time.time() < deadline, "the first job never took the lock"
-            time.sleep(0.2)
+        # Trained a step: metrics.jsonl (flushed at each record) holds a complete line.
+        while not ((dump / "metrics.jsonl").exists() and "\n" in (dump / "metrics.jsonl").read_text()):
+            assert first.poll() is None and time.time() < deadline, "the first job never trained a step"
+            time.sleep(0.05)
+        first.send_signal(signal.SIGSTOP)
+        paused = True
+        assert lock_holder_pid(dump / LOCK_NAME) == first.pid
+        logged = (dump / "metrics.jsonl").read_text().count("\n")
+        assert logged < STEPS, "the first job ended before it was paused"
         start = time.time()
         second = subprocess.run(
             [str(ROOT / "run_llama_train.sh"), *job[2:]],
@@ -85,6 +107,8 @@ def test_second_launch_is_refused_while_the_first_trains_on(tmp_path):
         assert run_train_in_process(*job) == 2
         assert first.poll() is None, "the refused launches disturbed the first job"
     finally:
+        if paused:
+            first.send_signal(signal.SIGCONT)
         assert first.wait(timeout=300) == 0
-    assert [m["step"] for m in read_metrics(dump)] == list(range(1, 201))
+    assert [m["step"] for m in read_metrics(dump)] == list(range(1, STEPS + 1))
     assert not (dump / LOCK_NAME).exists()

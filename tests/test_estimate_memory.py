@@ -1,5 +1,6 @@
 """scripts/estimate_memory.py: its fake-tensor estimate against the peak measured in a real run."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -36,9 +37,11 @@ def rows(stdout: str, columns: int) -> list[list[float]]:
     return [[float(x) for x in words[-columns:]] for words in lines]
 
 
+@functools.cache
 def estimate(ngpu: int, *args: str, how: str = "") -> list[list[float]]:
     """A row per pipeline rank (one without PP): (params, grads, optimizer, activations, peak) in
-    GiB; `how` must be in the note on how they were obtained."""
+    GiB; `how` must be in the note on how they were obtained. The script is deterministic: a
+    command line's rows are computed once (the 1-process estimate serves two tests)."""
     result = run([sys.executable, SCRIPT, *JOB, *args], ngpu)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert how in result.stdout.splitlines()[-1], result.stdout

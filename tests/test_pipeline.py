@@ -214,20 +214,40 @@ def check(result):
 
 
 @pytest.fixture(scope="module")
-def single_process(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("single")
-    check(run_train(1, folder, "--training.batch_size", "4", *VALIDATION))
-    return read_metrics(folder), validation_losses(folder)
+def single_process(reference_run):
+    """1 process with batch 4, validated (VALIDATION): conftest.py's reference_run, shared."""
+    metrics = reference_run(4)
+    return metrics, {m["step"]: m["validation_loss"] for m in metrics if m["validation_loss"] is not None}
+
+
+def pipeline_args(layout: str) -> list[str]:
+    _, batch, overrides = LAYOUTS[layout]
+    return ["--training.batch_size", str(batch), "--parallelism.pipeline_parallel_degree", "2", *overrides]
+
+
+ZBV_CHECKPOINTS = ["--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "5"]
+
+
+@pytest.fixture(scope="module")
+def zbv_run(tmp_path_factory):
+    """The zbv_zero_bubble layout's run, saving checkpoints at steps 5 and 10 as well: one launch is
+    compared with 1 process (test_pipeline_matches_single_process) and resumed from (the checkpoint
+    test below)."""
+    folder, nproc = tmp_path_factory.mktemp("zbv"), LAYOUTS["zbv_zero_bubble"][0]
+    check(run_train(nproc, folder, *pipeline_args("zbv_zero_bubble"), *ZBV_CHECKPOINTS))
+    return folder
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_pipeline_matches_single_process(tmp_path, single_process, layout):
+def test_pipeline_matches_single_process(tmp_path, single_process, layout, request):
     """Per-step losses and gradient norms (clipping included) equal those of 1 process, and so do the
     validation losses (forward only, through the schedule's evaluation)."""
-    nproc, batch, overrides = LAYOUTS[layout]
-    args = ["--training.batch_size", str(batch), "--parallelism.pipeline_parallel_degree", "2", *overrides]
     validated = layout not in ("zbv_zero_bubble", "dual_pipe_v")  # torch cannot evaluate V schedules
-    check(run_train(nproc, tmp_path, *args, *(VALIDATION if validated else [])))
+    if layout == "zbv_zero_bubble":
+        tmp_path = request.getfixturevalue("zbv_run")
+    else:
+        extra = VALIDATION if validated else []
+        check(run_train(LAYOUTS[layout][0], tmp_path, *pipeline_args(layout), *extra))
     single_process, single_validation = single_process
     pipelined = read_metrics(tmp_path)
     if validated:
@@ -242,33 +262,18 @@ def test_pipeline_matches_single_process(tmp_path, single_process, layout):
         assert abs(a["grad_norm"] - b["grad_norm"]) < 1e-5, (a, b)
 
 
-def test_pipeline_checkpoint_resumes_bitwise_and_on_one_process(tmp_path):
-    """ZBV puts the first and last stages on rank 0: its checkpoint holds two model parts."""
-    args = [
-        "--training.steps",
-        "8",
-        "--training.batch_size",
-        "4",
-        "--checkpoint.enable_checkpoint",
-        "true",
-        "--checkpoint.interval",
-        "4",
-    ]
-    pp = [
-        "--parallelism.pipeline_parallel_degree",
-        "2",
-        "--parallelism.pipeline_parallel_schedule",
-        "ZBVZeroBubble",
-    ]
-    check(run_train(2, tmp_path / "straight", *args, *pp))
-    straight = {m["step"]: m["loss"] for m in read_metrics(tmp_path / "straight")}
-    for name, nproc, layout in (("pp", 2, pp), ("one", 1, [])):
-        shutil.copytree(tmp_path / "straight/checkpoint/step-4", tmp_path / name / "checkpoint/step-4")
-        result = run_train(nproc, tmp_path / name, *args, *layout)
+def test_pipeline_checkpoint_resumes_bitwise_and_on_one_process(tmp_path, zbv_run):
+    """ZBV puts the first and last stages on rank 0: its checkpoint holds two model parts. The run
+    that never stopped is zbv_run (10 steps, checkpoints at 5 and 10)."""
+    straight = {m["step"]: m["loss"] for m in read_metrics(zbv_run)}
+    pp = pipeline_args("zbv_zero_bubble")
+    for name, nproc, layout in (("pp", 2, pp), ("one", 1, ["--training.batch_size", "4"])):
+        shutil.copytree(zbv_run / "checkpoint/step-5", tmp_path / name / "checkpoint/step-5")
+        result = run_train(nproc, tmp_path / name, *layout, *ZBV_CHECKPOINTS)
         check(result)
-        assert "Resumed from step 4" in result.stdout
+        assert "Resumed from step 5" in result.stdout
         resumed = {m["step"]: m["loss"] for m in read_metrics(tmp_path / name)}
-        assert sorted(resumed) == [5, 6, 7, 8]
+        assert sorted(resumed) == [6, 7, 8, 9, 10]
         for step, loss in resumed.items():
             if name == "pp":
                 assert loss == straight[step], (step, loss, straight[step])

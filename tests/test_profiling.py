@@ -2,7 +2,7 @@
 
 import json
 
-from launch import run_train
+from launch import TINY_JOB, run_train, run_train_in_process
 
 
 def test_profiler_writes_a_chrome_trace_per_rank_and_window(tmp_path):
@@ -29,11 +29,16 @@ def test_profiler_writes_a_chrome_trace_per_rank_and_window(tmp_path):
     assert sum(e.get("name") == "ProfilerStep#4" for e in events) == 1
 
 
-def test_memory_snapshot_on_cpu_is_a_one_line_config_error(tmp_path):
-    result = run_train(1, tmp_path, "--profiling.enable_memory_snapshot", "true")
-    assert result.returncode != 0
-    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+def test_memory_snapshot_on_cpu_is_a_one_line_config_error(tmp_path, capsys):
+    """In this process: train.py's run(), as each rank runs it (a config error's way out through torchrun
+    is test_pipeline.py's test_bad_pipeline_layout_stops_train_py_with_one_line)."""
+    code = run_train_in_process(
+        *TINY_JOB, "--job.dump_folder", str(tmp_path), "--profiling.enable_memory_snapshot", "true"
+    )
+    captured = capsys.readouterr()
+    assert code != 0
+    lines = [line for line in captured.err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1
     assert lines[0].startswith("error: profiling.enable_memory_snapshot: memory snapshots record the CUDA")
     assert "this run is on cpu; set it to false" in lines[0]
-    assert "Training steps" not in result.stdout  # stopped before building the model
+    assert "Training steps" not in captured.out  # stopped before building the model

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from launch import ROOT, VALIDATION, run_train
+from launch import ROOT, TINY_JOB, VALIDATION, run_train_in_process
 
 
 def load_script(name: str):
@@ -20,9 +20,10 @@ plot_metrics = load_script("plot_metrics")
 generate = load_script("generate")
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """Tiny matmuls on several threads crawl when the cores are busy (as the subprocesses' OMP=1)."""
+    """Tiny matmuls on several threads crawl when the cores are busy (as the subprocesses' OMP=1);
+    module-wide, so that the runs trained in this process (`runs`) get it too."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -34,11 +35,13 @@ def runs(tmp_path_factory):
     """Two 6-step runs of the tiny job that differ in learning rate only, validated at steps 3 and 6.
     The first saves a full checkpoint at step 3 and, at step 6, a bfloat16 weights-only export."""
     base = tmp_path_factory.mktemp("runs")
-    common = ["--training.steps", "6", "--training.batch_size", "2", *VALIDATION, "--validation.freq", "3"]
-    first = run_train(
-        1,
-        base / "a",
+    common = [*TINY_JOB, "--training.steps", "6", "--training.batch_size", "2", *VALIDATION]
+    common += ["--validation.freq", "3"]
+    # In this process (no interpreter nor torch start-up): the scripts read the runs' files only.
+    first = run_train_in_process(
         *common,
+        "--job.dump_folder",
+        str(base / "a"),
         "--checkpoint.enable_checkpoint",
         "true",
         "--checkpoint.interval",
@@ -48,9 +51,8 @@ def runs(tmp_path_factory):
         "--checkpoint.export_dtype",
         "bfloat16",
     )
-    second = run_train(1, base / "b", *common, "--optimizer.lr", "1e-4")
-    for result in (first, second):
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    second = run_train_in_process(*common, "--job.dump_folder", str(base / "b"), "--optimizer.lr", "1e-4")
+    assert (first, second) == (0, 0)
     return base / "a", base / "b"
 
 
