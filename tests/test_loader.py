@@ -5,6 +5,8 @@ import copy
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import datasets  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from launch import ROOT  # noqa: E402
 from test_data import all_equal, global_batches  # noqa: E402
 
 from torchtitan.datasets.hf_datasets import HuggingFaceDataset, build_hf_data_loader  # noqa: E402
@@ -96,7 +99,7 @@ def test_resume_across_worker_counts(tok, text_and_tokens, kind):
 
 
 def _signal_self_then_exit(trainer_pid: int) -> None:
-    _init_worker(trainer_pid, 0)
+    _init_worker(trainer_pid, multiprocessing.Event(), 0)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         os.kill(os.getpid(), sig)
 
@@ -110,7 +113,7 @@ def _worker_of_a_dying_trainer(pid_file: str) -> None:
 
 
 def _init_then_sleep(trainer_pid: int) -> None:
-    _init_worker(trainer_pid, 0)
+    _init_worker(trainer_pid, multiprocessing.Event(), 0)
     time.sleep(60)
 
 
@@ -141,3 +144,20 @@ def test_workers_ignore_preemption_signals_and_die_with_the_trainer(tmp_path):
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(pid), "the worker outlived its trainer"
+
+
+def test_a_loader_left_open_does_not_hold_up_the_exit():
+    """Workers ignore SIGTERM while the trainer runs, and multiprocessing stops them with SIGTERM at exit:
+    a loader still open then (a generator in a reference cycle, with train.py's GC off) must not hang."""
+    script = (
+        "import sys; sys.path.insert(0, '.')\n"
+        "from torchtitan.datasets.tokenizer import Tokenizer\n"
+        "from torchtitan.datasets.hf_datasets import build_hf_data_loader\n"
+        "tok = Tokenizer('assets/tokenizer/kjv_bpe.tiktoken')\n"
+        "batches = iter(build_hf_data_loader('kjv', None, tok, 2, 16, 1, 0, num_workers=2))\n"
+        "next(batches)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, timeout=60, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-2000:]

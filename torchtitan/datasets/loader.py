@@ -9,12 +9,15 @@ never of the ones prefetched, and it has the same keys as without workers: a che
 with or without workers, on any layout the dataset allows.
 """
 
+import atexit
 import ctypes
 import functools
+import multiprocessing
 import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
+from multiprocessing.synchronize import Event
 from typing import Any, Protocol
 
 import torch
@@ -36,13 +39,25 @@ class ShardableDataset(Protocol):
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
+# Set when the trainer's interpreter exits: from then on its workers obey SIGTERM, which multiprocessing's
+# own exit handler sends them (registered earlier, so it runs after this one).
+_trainer_exiting = multiprocessing.Event()
+atexit.register(_trainer_exiting.set)
 
-def _init_worker(trainer_pid: int, worker_id: int) -> None:
-    """A preemption signal sent to the whole process group must reach the trainer only: it saves after
-    the step, and needs its workers until then. A worker dies with the trainer: forked, it holds copies
-    of the trainer's sockets (its process group's), and outliving a killed trainer it would keep the
-    other ranks from seeing the connection drop, so that they would wait for their timeout."""
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+
+def _init_worker(trainer_pid: int, trainer_exiting: Event, worker_id: int) -> None:
+    """A preemption signal sent to the whole process group (or to every process of a SLURM step) must
+    reach the trainer only: it saves after the step, and needs its workers until then; SIGTERM stops a
+    worker only once the trainer is exiting. A worker dies with the trainer: forked, it holds copies of
+    the trainer's sockets (its process group's), and outliving a killed trainer it would keep the other
+    ranks from seeing the connection drop, so that they would wait for their timeout."""
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if trainer_exiting.is_set():
+            os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    for sig in (signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -113,7 +128,7 @@ class DataLoader(Stateful):
             num_workers=self.num_workers,
             prefetch_factor=self.prefetch,
             pin_memory=self.pin_memory and self.num_workers == 1,
-            worker_init_fn=functools.partial(_init_worker, os.getpid()),
+            worker_init_fn=functools.partial(_init_worker, os.getpid(), _trainer_exiting),
             # Its own generator: drawing the workers' base seed must not advance the checkpointed RNG.
             generator=torch.Generator(),
         )
