@@ -13,6 +13,7 @@ the rank that holds it (loss parallel, never gathering the logits nor the weight
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 
@@ -29,22 +30,27 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         rows = labels - vocab_start
         owned = (rows >= 0) & (rows < weight.shape[0])
         rows = torch.where(owned, rows, 0)
-        log_sum_exp = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        # Kept for backward with vocabulary shards; one process recomputes the softmax whole.
+        log_sum_exp = torch.empty(
+            hidden.shape[0] if group is not None else 0, dtype=torch.float32, device=hidden.device
+        )
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             end = start + chunk
             logits = (hidden[start:end] @ weight.T).float()
+            if group is None:  # the whole vocabulary here: torch's fused cross entropy is the fastest
+                total = total + F.cross_entropy(logits, labels[start:end], reduction="sum")
+                continue
             maxima = logits.max(dim=1).values
-            if group is not None:
-                dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
             label_logits = torch.where(owned[start:end], logits.gather(1, rows[start:end, None])[:, 0], 0.0)
-            sums = torch.stack([torch.exp(logits - maxima[:, None]).sum(dim=1), label_logits])
-            if group is not None:
-                dist.all_reduce(sums, group=group)
+            # In place: a chunk's logits are the largest temporary, and there is one copy of them.
+            sums = torch.stack([logits.sub_(maxima[:, None]).exp_().sum(dim=1), label_logits])
+            dist.all_reduce(sums, group=group)
             log_sum_exp[start:end] = maxima + sums[0].log()
             total = total + (log_sum_exp[start:end] - sums[1]).sum()
         ctx.save_for_backward(hidden, weight, rows, owned, log_sum_exp)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.sharded = chunk, group is not None
         return total
 
     @staticmethod
@@ -56,8 +62,12 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         for start in range(0, hidden.shape[0], ctx.chunk):
             end = start + ctx.chunk
             logits = (hidden[start:end] @ weight.T).float()
-            # d(cross entropy)/d(logits) = softmax - one-hot of the label (on the rank holding it).
-            grad_logits = torch.exp(logits - log_sum_exp[start:end, None])
+            # d(cross entropy)/d(logits) = softmax - one-hot of the label (on the rank holding it); the
+            # softmax over vocabulary shards from the log-sum-exp of the whole vocabulary.
+            if ctx.sharded:
+                grad_logits = logits.sub_(log_sum_exp[start:end, None]).exp_()
+            else:
+                grad_logits = torch.softmax(logits, dim=-1)
             grad_logits.scatter_add_(1, rows[start:end, None], -owned[start:end, None].float())
             grad_logits = (grad_logits * grad_total).to(hidden.dtype)
             grad_hidden[start:end] = grad_logits @ weight
