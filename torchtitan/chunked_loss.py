@@ -2,14 +2,15 @@
 
 The logits of a batch (tokens x vocabulary: 2.1 GB in fp32 for 4096 tokens of Llama 3's 128256) and
 their gradient never exist whole: forward projects and scores one chunk of hidden states at a time,
-keeping only the hidden states, the weight, the labels and each token's log-sum-exp; backward
-projects each chunk again to get its share of the hidden states' and the weight's gradients. The
-price is one more projection matmul per step (its forward recomputed).
+keeping only the hidden states, the weight and the labels; backward projects each chunk again to
+get its share of the hidden states' and the weight's gradients. The price is one more projection
+matmul per step (its forward recomputed).
 
 With tensor parallelism the output projection is sharded along the vocabulary and so are the
 chunks' logits: each rank scores its own vocabulary slice, and the log-sum-exp of a chunk comes
 from all-reducing its maximum and its sum of exponentials over the TP group, the label's logit from
-the rank that holds it (loss parallel, never gathering the logits nor the weight)."""
+the rank that holds it (loss parallel, never gathering the logits nor the weight); each token's
+log-sum-exp is kept for the backward, which then needs no collective per chunk."""
 
 import torch
 import torch.distributed as dist
