@@ -116,7 +116,7 @@ class DataLoader(Stateful):
         self.num_workers = min(num_workers, batch_size)
         self.prefetch = prefetch
         self.pin_memory = pin_memory
-        self._state: dict[str, Any] | None = None  # of the last micro-batch taken from the workers
+        self._state: list[dict[str, Any]] | None = None  # the workers', after the last micro-batch taken
 
     def __iter__(self) -> Iterator[Batch]:
         if self.num_workers == 0:
@@ -135,9 +135,7 @@ class DataLoader(Stateful):
         parts = iter(workers)
         for first in parts:  # workers take turns: part w of a micro-batch comes from worker w
             shares = [first] + [next(parts) for _ in range(self.num_workers - 1)]
-            self._state = _map_state(
-                lambda v: torch.tensor(v, dtype=torch.long), _merge([s[2] for s in shares])
-            )
+            self._state = [s[2] for s in shares]  # merged when asked for: rarely, not every batch
             yield self._join([s[0] for s in shares]), self._join([s[1] for s in shares])
 
     def _join(self, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -160,7 +158,7 @@ class DataLoader(Stateful):
         """The dataset's position after the last micro-batch taken, under "dataset_state"."""
         if self.num_workers == 0 or self._state is None:
             return {"dataset_state": self.dataset.state_dict()}
-        return {"dataset_state": self._state}
+        return {"dataset_state": _map_state(lambda v: torch.tensor(v, dtype=torch.long), _merge(self._state))}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Takes effect at the next `iter()`: workers start from a copy of the dataset."""
