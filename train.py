@@ -1,4 +1,4 @@
-"""Pre-train a Llama model: `torchrun ... train.py --job.config_file F [--section.key VALUE ...]`."""
+"""Pre-train a language model: `torchrun ... train.py --job.config_file F [--section.key VALUE ...]`."""
 
 import functools
 import gc
@@ -12,7 +12,7 @@ from torchtitan.checkpoint import CheckpointManager, TrainState
 from torchtitan.config_manager import JobConfig, resolve_path
 from torchtitan.config_rules import check_layout, gradient_accumulation_steps, mixture_sources
 from torchtitan.datasets.hf_datasets import build_hf_data_loader
-from torchtitan.datasets.tokenizer import Tokenizer
+from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.distributed import (
     clip_grad_norm_,
     dist_mean,
@@ -21,9 +21,8 @@ from torchtitan.distributed import (
     set_collective_timeout,
 )
 from torchtitan.logging import init_logger, logger
-from torchtitan.metrics import MetricLogger, flops_per_token, peak_flops
-from torchtitan.models import build_model_args
-from torchtitan.models.llama.model import Transformer
+from torchtitan.metrics import MetricLogger, peak_flops
+from torchtitan.models import build_model_args, model_spec
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer
 from torchtitan.parallelisms.float8 import precompute_float8_scales, precomputes_float8_scales
 from torchtitan.parallelisms.parallelize_llama import DTYPES
@@ -62,7 +61,8 @@ def main(job_config: JobConfig) -> int:
     set_determinism(training.seed, training.deterministic)
 
     with bad_input("model.tokenizer_path"):
-        tokenizer = Tokenizer(resolve_path(job_config.model.tokenizer_path))
+        tokenizer = build_tokenizer(resolve_path(job_config.model.tokenizer_path))
+    spec = model_spec(job_config.model)
     model_args = build_model_args(job_config, tokenizer.n_words)
     mixture = mixture_sources(training)
     data_option = "mixture" if mixture else "dataset_path" if training.dataset_path else "dataset"
@@ -86,7 +86,7 @@ def main(job_config: JobConfig) -> int:
         )
 
     with torch.device("meta"):
-        model = Transformer.from_model_args(model_args)
+        model = spec.build(model_args)
     logger.info(f"Model {job_config.model.name} {job_config.model.flavor}: {model.num_params():,} parameters")
     num_flop_params = model.num_params(exclude_embedding=True)
 
@@ -111,13 +111,7 @@ def main(job_config: JobConfig) -> int:
     tokens_per_rank = grad_accum_steps * training.batch_size * training.seq_len
     metric_logger = MetricLogger(
         job_config,
-        flops_per_token(
-            num_flop_params,
-            model_args.n_layers,
-            model_args.n_heads,
-            model_args.dim // model_args.n_heads,
-            training.seq_len,
-        ),
+        spec.flops_per_token(model_args, num_flop_params, training.seq_len),
         peak_flops(device, DTYPES[training.mixed_precision_param]),
         tokens_per_step=tokens_per_rank / (parallel_dims.pp * parallel_dims.tp),
         device=device,

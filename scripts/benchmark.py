@@ -98,15 +98,14 @@ def train_step_time(dump_folder: str, extra: list[str]) -> dict:
 def reference_step_time(extra: list[str], warmup: int = 3) -> dict:
     """Step seconds (wall and CPU, best window) of a minimal PyTorch loop: same model, batch and
     optimizer as train.py, one fixed batch, no data loader, logging, scheduler or checkpointing."""
-    from torchtitan.datasets.tokenizer import Tokenizer
-    from torchtitan.models import build_model_args
-    from torchtitan.models.llama.model import Transformer
+    from torchtitan.datasets.tokenizer import build_tokenizer
+    from torchtitan.models import build_model_args, model_spec
 
     job_config = parse_args([*TRAIN_ARGS, *extra])
-    args = build_model_args(job_config, Tokenizer(ROOT / job_config.model.tokenizer_path).n_words)
+    args = build_model_args(job_config, build_tokenizer(ROOT / job_config.model.tokenizer_path).n_words)
     device = torch.device("cuda" if ON_GPU else "cpu")
     with torch.device("meta"):
-        model = Transformer(args)
+        model = model_spec(job_config.model).build(args)
     model.to_empty(device=device)
     model.init_weights(seed=0)
     o = job_config.optimizer
@@ -172,11 +171,11 @@ def loader_rate(batches, seconds: float) -> dict:
 def part_data(tmp: str, seconds: float = 5.0) -> dict:
     """Tokens/s of the loader alone, past its first batch (dataset loading)."""
     from torchtitan.datasets.hf_datasets import build_hf_data_loader
-    from torchtitan.datasets.tokenizer import Tokenizer
+    from torchtitan.datasets.tokenizer import build_tokenizer
 
     job_config = parse_args(TRAIN_ARGS)
     t = job_config.training
-    tokenizer = Tokenizer(ROOT / job_config.model.tokenizer_path)
+    tokenizer = build_tokenizer(ROOT / job_config.model.tokenizer_path)
     loader = build_hf_data_loader(t.dataset, t.dataset_path, tokenizer, t.batch_size, t.seq_len, 1, 0)
     batches = iter(loader)
     next(batches)
@@ -187,11 +186,11 @@ def part_data_sharding(tmp: str, steps: int = 200, seconds: float = 3.0) -> dict
     """Rank 0's loader at simulated DP degrees (its loader only; the other ranks' are not built): tokens
     tokenized per token yielded over its first `steps` batches, then its tokens/s."""
     from torchtitan.datasets.hf_datasets import build_hf_data_loader
-    from torchtitan.datasets.tokenizer import Tokenizer
+    from torchtitan.datasets.tokenizer import build_tokenizer
 
     job_config = parse_args(TRAIN_ARGS)
     t = job_config.training
-    tokenizer = Tokenizer(ROOT / job_config.model.tokenizer_path)
+    tokenizer = build_tokenizer(ROOT / job_config.model.tokenizer_path)
 
     class Counting:
         count = 0
@@ -218,12 +217,12 @@ def part_pretokenized(tmp: str, seconds: float = 3.0) -> dict:
     in order and shuffled."""
     from torchtitan.datasets.hf_datasets import build_hf_data_loader, load_text_dataset
     from torchtitan.datasets.pretokenized import pretokenize
-    from torchtitan.datasets.tokenizer import Tokenizer
+    from torchtitan.datasets.tokenizer import build_tokenizer
 
     job_config = parse_args(TRAIN_ARGS)
     t = job_config.training
     path = str(ROOT / job_config.model.tokenizer_path)
-    tokenizer = Tokenizer(path)
+    tokenizer = build_tokenizer(path)
     ds = load_text_dataset(t.dataset, t.dataset_path)
     result = {}
     for workers in (1, 2):

@@ -20,9 +20,8 @@ def fsdp_memory(train_args: list[str]) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from torchtitan.datasets.tokenizer import Tokenizer
-    from torchtitan.models import build_model_args
-    from torchtitan.models.llama.model import Transformer
+    from torchtitan.datasets.tokenizer import build_tokenizer
+    from torchtitan.models import build_model_args, model_spec
     from torchtitan.optimizer import build_optimizer
     from torchtitan.parallelisms.parallel_dims import ParallelDims
     from torchtitan.parallelisms.parallelize_llama import parallelize_llama
@@ -31,10 +30,10 @@ def fsdp_memory(train_args: list[str]) -> dict:
     if world_size > 1:
         dist.init_process_group("gloo")
     job_config = parse_args(train_args)
-    args = build_model_args(job_config, Tokenizer(ROOT / job_config.model.tokenizer_path).n_words)
+    args = build_model_args(job_config, build_tokenizer(ROOT / job_config.model.tokenizer_path).n_words)
     dims = ParallelDims(dp_shard=-1, world_size=world_size)
     with torch.device("meta"):
-        model = Transformer(args)
+        model = model_spec(job_config.model).build(args)
     mesh = dims.build_mesh("cpu") if world_size > 1 else None
     model = parallelize_llama(model, mesh, dims, job_config)
     model.to_empty(device="cpu")

@@ -1,10 +1,13 @@
-"""Export a checkpoint's model weights as a Hugging Face Llama folder (config.json and
-model.safetensors) that `transformers.LlamaForCausalLM.from_pretrained` loads:
+"""Export a checkpoint's model weights as a Hugging Face folder (config.json and model.safetensors)
+that `transformers.AutoModelForCausalLM.from_pretrained` loads, for any model.name (Llama 2 and 3 as
+LlamaForCausalLM, Qwen3 as Qwen3ForCausalLM):
 
     python scripts/convert_dcp_to_hf.py outputs/checkpoint/step-100 hf_model --name llama3 --flavor debugmodel
+    python scripts/convert_dcp_to_hf.py outputs/checkpoint/step-100 hf_model --name qwen3 --flavor 0.6B
 
-The flavour gives what the weights' shapes do not (head counts, RoPE theta and scaling, norm epsilon):
-pass the model.name and model.flavor the checkpoint was trained with. The tokenizer is not copied.
+The flavour gives what the weights' shapes do not (head counts and size, RoPE theta and scaling, norm
+epsilon, tied embeddings): pass the model.name and model.flavor the checkpoint was trained with. A
+tied model's file has no lm_head.weight, as HF's. The tokenizer is not copied.
 """
 
 import argparse
@@ -19,12 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 
 from torchtitan.checkpoint import read_model_weights  # noqa: E402
 from torchtitan.config_manager import ConfigError  # noqa: E402
-from torchtitan.models.llama import ModelArgs, llama2_configs, llama3_configs  # noqa: E402
-from torchtitan.models.llama.hf_convert import hf_config, to_hf  # noqa: E402
+from torchtitan.models import MODEL_SPECS  # noqa: E402
+from torchtitan.models.spec import ModelArgs  # noqa: E402
 from torchtitan.reliability.errors import run_with_exit_codes  # noqa: E402
 from torchtitan.reliability.paths import check_checkpoint, check_writable_folder  # noqa: E402
 
-MODEL_CONFIGS = {"llama2": llama2_configs, "llama3": llama3_configs}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -34,20 +36,33 @@ def convert(
     model_args: ModelArgs,
     dtype: torch.dtype | None = None,
     max_position_embeddings: int = 8192,
+    name: str = "llama3",
 ) -> None:
+    """Write config.json and model.safetensors of model.name `name`'s checkpoint into `output`."""
     check_checkpoint("checkpoint", checkpoint)
     check_writable_folder("output", output)
     weights = read_model_weights(checkpoint)
     dim = weights["tok_embeddings.weight"].shape[1]
     if dim != model_args.dim:
         raise ConfigError(f"--flavor: the checkpoint's model has dim {dim}, the flavor {model_args.dim}")
+    if model_args.tie_word_embeddings and not torch.equal(
+        weights["output.weight"], weights["tok_embeddings.weight"]
+    ):
+        raise ConfigError(
+            "--flavor: the flavor ties the output layer to the embeddings, the checkpoint's differ; "
+            "pass the flavor the checkpoint was trained with (an untied one)"
+        )
     if dtype is not None:
-        weights = {name: w.to(dtype) for name, w in weights.items()}
-    n_kv_heads = model_args.n_kv_heads or model_args.n_heads
+        weights = {key: w.to(dtype) for key, w in weights.items()}
+    spec = MODEL_SPECS[name]
+    adapter = spec.hf()
     folder = Path(output)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(to_hf(weights, model_args.n_heads, n_kv_heads), folder / "model.safetensors", {"format": "pt"})
-    config = hf_config(model_args, weights, max_position_embeddings, weights["norm.weight"].dtype)
+    save_file(adapter.to_hf(weights, model_args), folder / "model.safetensors", {"format": "pt"})
+    config = {
+        "architectures": [spec.hf_architecture],
+        **adapter.hf_config(model_args, weights, max_position_embeddings, weights["norm.weight"].dtype),
+    }
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -62,18 +77,20 @@ def run(argv: list[str] | None) -> int:
     )
     parser.add_argument("checkpoint", help="DCP checkpoint folder, e.g. outputs/checkpoint/step-100")
     parser.add_argument("output", help="folder to write config.json and model.safetensors into")
-    parser.add_argument("--name", default="llama3", choices=MODEL_CONFIGS, help="model.name of the run")
+    parser.add_argument("--name", default="llama3", choices=MODEL_SPECS, help="model.name of the run")
     parser.add_argument("--flavor", default="debugmodel", help="model.flavor of the run")
     parser.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as saved)")
     parser.add_argument(
         "--max-position-embeddings", type=int, default=8192, help="context length written to config.json"
     )
     args = parser.parse_args(argv)
-    flavors = MODEL_CONFIGS[args.name]
+    flavors = MODEL_SPECS[args.name].flavors
     if args.flavor not in flavors:
         parser.error(f"--flavor: {args.name} has no flavor {args.flavor!r}; one of {', '.join(flavors)}")
     dtype = DTYPES[args.dtype] if args.dtype else None
-    convert(args.checkpoint, args.output, flavors[args.flavor], dtype, args.max_position_embeddings)
+    convert(
+        args.checkpoint, args.output, flavors[args.flavor], dtype, args.max_position_embeddings, args.name
+    )
     print(f"wrote {args.output}/config.json and model.safetensors")
     return 0
 

@@ -1,10 +1,14 @@
-"""Import a Hugging Face Llama folder (config.json and *.safetensors, sharded or not) as a DCP
-checkpoint of the model weights, to start a run from:
+"""Import a Hugging Face Llama or Qwen3 folder (config.json and *.safetensors, sharded or not) as a
+DCP checkpoint of the model weights, to start a run from:
 
     python scripts/convert_hf_to_dcp.py path/to/Meta-Llama-3-8B outputs/llama3_8b_dcp
     ./run_llama_train.sh --model.flavor 8B --checkpoint.initial_load_path outputs/llama3_8b_dcp
+    python scripts/convert_hf_to_dcp.py path/to/Qwen3-0.6B outputs/qwen3
+    ./run_llama_train.sh --model.name qwen3 --model.flavor 0.6B --checkpoint.initial_load_path outputs/qwen3
 
-The run's model.flavor and tokenizer must match the HF model; the run checks the shapes.
+config.json's model_type picks the conversion. A tied model (no lm_head.weight) gets output.weight, a
+copy of the embeddings, as our model's state dict has both. The run's model.name, model.flavor and
+tokenizer must match the HF model; the run checks the shapes.
 """
 
 import argparse
@@ -19,11 +23,13 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, uninstalled
 
 from torchtitan.config_manager import ConfigError  # noqa: E402
-from torchtitan.models.llama.hf_convert import from_hf  # noqa: E402
+from torchtitan.models import MODEL_SPECS  # noqa: E402
 from torchtitan.reliability.errors import run_with_exit_codes  # noqa: E402
 from torchtitan.reliability.paths import check_file, check_folder, check_writable_folder  # noqa: E402
 
 FIX = "give a Hugging Face model folder (config.json and *.safetensors)"
+# config.json's model_type -> the family's adapter (torchtitan/models/hf_convert.py).
+ADAPTERS = {adapter.MODEL_TYPE: adapter for adapter in (spec.hf() for spec in MODEL_SPECS.values())}
 
 
 def read_config(hf_folder: str) -> dict:
@@ -50,11 +56,16 @@ def convert(hf_folder: str, output: str) -> dict:
     for file in files:
         check_file("hf_folder", str(file), fix=FIX)
     check_writable_folder("output", output)
+    adapter = ADAPTERS.get(config.get("model_type"))
+    if adapter is None:
+        raise ConfigError(
+            f"hf_folder: {hf_folder}/config.json has model_type {config.get('model_type')!r}; "
+            f"give a model of a supported type ({', '.join(sorted(ADAPTERS))})"
+        )
     hf_weights = {}
     for file in files:
         hf_weights.update(load_file(file))
-    n_heads = config["num_attention_heads"]
-    weights = from_hf(hf_weights, n_heads, config.get("num_key_value_heads", n_heads))
+    weights = adapter.from_hf(hf_weights, config)
     dcp.save({"model": weights}, checkpoint_id=output, no_dist=True)
     return config
 
@@ -72,10 +83,12 @@ def run(argv: list[str] | None) -> int:
     parser.add_argument("output", help="DCP checkpoint folder to write")
     args = parser.parse_args(argv)
     config = convert(args.hf_folder, args.output)
+    # transformers 5 writes rope_theta into rope_parameters, earlier versions (and the Hub) at the top.
+    rope_theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta"))
     print(
-        f"wrote {args.output}: dim {config['hidden_size']}, {config['num_hidden_layers']} layers, "
-        f"{config['num_attention_heads']} heads ({config.get('num_key_value_heads')} kv), "
-        f"vocab {config.get('vocab_size')}, rope_theta {config.get('rope_theta')}"
+        f"wrote {args.output}: {config['model_type']}, dim {config['hidden_size']}, "
+        f"{config['num_hidden_layers']} layers, {config['num_attention_heads']} heads "
+        f"({config.get('num_key_value_heads')} kv), vocab {config.get('vocab_size')}, rope_theta {rope_theta}"
     )
     return 0
 

@@ -23,10 +23,9 @@ from torchtitan.checkpoint import load_model_weights  # noqa: E402
 from torchtitan.checkpoint_folder import latest_checkpoint_path  # noqa: E402
 from torchtitan.config_manager import JobConfig, resolve_path  # noqa: E402
 from torchtitan.config_rules import check_layout  # noqa: E402
-from torchtitan.datasets.tokenizer import Tokenizer  # noqa: E402
+from torchtitan.datasets.tokenizer import build_tokenizer  # noqa: E402
 from torchtitan.distributed import init_distributed  # noqa: E402
-from torchtitan.models import build_model_args  # noqa: E402
-from torchtitan.models.llama.model import Transformer  # noqa: E402
+from torchtitan.models import build_model_args, model_spec  # noqa: E402
 from torchtitan.reliability.entry import run_job  # noqa: E402
 from torchtitan.reliability.errors import EXIT_OK, bad_input  # noqa: E402
 from torchtitan.train_step import TrainStep, parallelize_model  # noqa: E402
@@ -40,9 +39,9 @@ def evaluate(job_config: JobConfig) -> int:
     meshes = parallel_dims.build_meshes(device.type)
     path = latest_checkpoint_path(job_config)
     with bad_input("model.tokenizer_path"):
-        tokenizer = Tokenizer(resolve_path(job_config.model.tokenizer_path))
+        tokenizer = build_tokenizer(resolve_path(job_config.model.tokenizer_path))
     with torch.device("meta"):
-        model = Transformer.from_model_args(build_model_args(job_config, tokenizer.n_words))
+        model = model_spec(job_config.model).build(build_model_args(job_config, tokenizer.n_words))
     model_parts, pipeline = parallelize_model(model, meshes.world, parallel_dims, job_config, device)
     for part in model_parts:
         part.to_empty(device=device)

@@ -23,10 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from torchtitan.checkpoint_folder import latest_checkpoint_path  # noqa: E402
 from torchtitan.config_manager import ConfigError, JobConfig, resolve_path  # noqa: E402
 from torchtitan.config_parser import parse_args  # noqa: E402
-from torchtitan.datasets.tokenizer import Tokenizer  # noqa: E402
-from torchtitan.models import build_model_args  # noqa: E402
-from torchtitan.models.llama.model import Transformer  # noqa: E402
-from torchtitan.reliability.errors import run_with_exit_codes  # noqa: E402
+from torchtitan.datasets.tokenizer import AnyTokenizer, build_tokenizer  # noqa: E402
+from torchtitan.models import build_model_args, model_spec  # noqa: E402
+from torchtitan.reliability.errors import bad_input, run_with_exit_codes  # noqa: E402
 from torchtitan.reliability.paths import check_folder  # noqa: E402
 from torchtitan.reliability.preflight import check_model_files  # noqa: E402
 from torchtitan.reliability.safe_dcp import SafeLoadPlanner, SafeReader, saved_entries  # noqa: E402
@@ -51,13 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_model(job_config: JobConfig, tokenizer: Tokenizer, device: torch.device) -> Transformer:
+def load_model(job_config: JobConfig, tokenizer: AnyTokenizer, device: torch.device) -> torch.nn.Module:
     """The model as train.py builds it (the vocabulary padded to model.vocab_size, the context of
     training.seq_len), with the checkpoint's weights."""
     model_args = build_model_args(job_config, tokenizer.n_words)
     path = latest_checkpoint_path(job_config)
     with torch.device(device):
-        model = Transformer.from_model_args(model_args)  # random weights, then replaced
+        model = model_spec(job_config.model).build(model_args)  # random weights, then replaced
     state = {"model": model.state_dict()}
     saved = saved_entries(path)
     for key, tensor in state["model"].items():
@@ -76,7 +75,7 @@ def load_model(job_config: JobConfig, tokenizer: Tokenizer, device: torch.device
 
 @torch.no_grad()
 def generate(
-    model: Transformer,
+    model: torch.nn.Module,
     prompt: list[int],
     max_new_tokens: int,
     temperature: float,
@@ -142,10 +141,13 @@ def run(argv: list[str]) -> int:
     if os.path.lexists(job_config.job.dump_folder):
         check_folder("job.dump_folder", job_config.job.dump_folder)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tokenizer = Tokenizer(resolve_path(job_config.model.tokenizer_path))
+    with bad_input("model.tokenizer_path"):
+        tokenizer = build_tokenizer(resolve_path(job_config.model.tokenizer_path))
     model = load_model(job_config, tokenizer, device)
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    prompt = tokenizer.encode(args.prompt, bos=True, eos=False)
+    # A document starts after BOS or, for a tokenizer without one, after the EOS ending the one before.
+    start = tokenizer.eos_id if tokenizer.bos_id is None else tokenizer.bos_id
+    prompt = [start, *tokenizer.encode(args.prompt, bos=False, eos=False)]
     new = generate(
         model,
         prompt,

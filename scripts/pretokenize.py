@@ -4,8 +4,9 @@
         --output DIR [--workers N] [--split train] [--docs-per-shard 16384]
 
 Reads the dataset as train.py would (`training.dataset` / `training.dataset_path`, any source the trainer
-accepts) and encodes it with `model.tokenizer_path`, every document framed by BOS/EOS. Then train with
-`--training.dataset_path DIR` (or `--validation.dataset_path DIR` for a `--split validation` output).
+accepts) and encodes it with `model.tokenizer_path`, every document framed by BOS (if the tokenizer has
+one) and EOS. Then train with `--training.dataset_path DIR` (or `--validation.dataset_path DIR` for a
+`--split validation` output).
 DIR must not exist; it appears only once complete. Exit codes and one-line errors are train.py's.
 """
 
@@ -21,7 +22,7 @@ from torchtitan.config_manager import ConfigError, resolve_path  # noqa: E402
 from torchtitan.config_parser import parse_args  # noqa: E402
 from torchtitan.datasets.hf_datasets import load_text_dataset  # noqa: E402
 from torchtitan.datasets.pretokenized import pretokenize  # noqa: E402
-from torchtitan.datasets.tokenizer import Tokenizer  # noqa: E402
+from torchtitan.datasets.tokenizer import build_tokenizer  # noqa: E402
 from torchtitan.reliability.errors import EXIT_OK, bad_input, run_with_exit_codes  # noqa: E402
 
 
@@ -51,7 +52,7 @@ def main(argv: list[str]) -> int:
     training = job_config.training
     tokenizer_path = resolve_path(job_config.model.tokenizer_path)
     with bad_input("model.tokenizer_path"):
-        tokenizer = Tokenizer(tokenizer_path)
+        tokenizer = build_tokenizer(tokenizer_path)
     option = "training.dataset_path" if training.dataset_path else "training.dataset"
     with bad_input(option):
         ds = load_text_dataset(training.dataset, training.dataset_path, own.split)

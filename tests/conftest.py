@@ -35,6 +35,14 @@ def tok():
     return Tokenizer(Path(__file__).resolve().parents[1] / "assets/tokenizer/kjv_bpe.tiktoken")
 
 
+@pytest.fixture(scope="module")
+def hf_tok():
+    """The bundled Hugging Face tokenizer folder: Qwen3-style, without BOS."""
+    from torchtitan.datasets.hf_tokenizer import HFTokenizer
+
+    return HFTokenizer(Path(__file__).resolve().parents[1] / "assets/tokenizer/kjv_bpe_hf")
+
+
 TEXT_DOCS = [f"Text {i}: " + "and it came to pass " * (i % 5 + 1) for i in range(30)]
 TOKEN_DOCS = [f"Token {i}: " + "in the beginning " * (i % 3 + 2) for i in range(10)]
 
@@ -55,25 +63,26 @@ def text_and_tokens(tmp_path_factory: pytest.TempPathFactory, hf_cache) -> tuple
 
 @pytest.fixture(scope="session")
 def reference_run(tmp_path_factory):
-    """`reference_run(global_batch)`: the tiny job (launch.TINY_JOB) on 1 process with the whole global
-    batch, validated at steps 5 and 10 on a global validation batch of 4 (launch.VALIDATION), made on
-    first use, once per session: scripts/parity_matrix.py's reference, which test_parity's layouts,
-    test_train's and test_pipeline's are compared with. Its per-step metrics, each with the
+    """`reference_run(global_batch, model=())`: the tiny job (launch.TINY_JOB, with the model options
+    `model`) on 1 process with the whole global batch, validated at steps 5 and 10 on a global
+    validation batch of 4 (launch.VALIDATION), made on first use, once per session:
+    scripts/parity_matrix.py's reference, which test_parity's layouts, test_train's and test_pipeline's
+    are compared with. Its per-step metrics, each with the
     validation loss of its step (None where there was no validation)."""
     from scripts.parity_matrix import run_reference
 
     folder, runs = tmp_path_factory.mktemp("reference_runs"), {}
 
-    def get(global_batch: int) -> list[dict]:
-        if global_batch not in runs:
-            metrics = run_reference(folder / str(global_batch), global_batch, 10)
+    def get(global_batch: int, model: tuple[str, ...] = ()) -> list[dict]:
+        if (global_batch, model) not in runs:
+            metrics = run_reference(folder / str(len(runs)), global_batch, 10, model)
             assert [m["step"] for m in metrics] == list(range(1, 11))
             validation = {m["step"]: m["validation_loss"] for m in metrics}
             validation = {step: loss for step, loss in validation.items() if loss is not None}
             assert sorted(validation) == [5, 10]
             assert validation[10] < validation[5]  # it learns, on held-out data too
             assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.5  # it trains
-            runs[global_batch] = metrics
-        return runs[global_batch]
+            runs[global_batch, model] = metrics
+        return runs[global_batch, model]
 
     return get

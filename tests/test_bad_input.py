@@ -116,6 +116,20 @@ def empty_folder(option: str):
     return argv
 
 
+def hf_tokenizer_folder(config: dict, tokenizer_json: bool = True):
+    """--model.tokenizer_path at a folder holding this tokenizer_config.json, and the bundled
+    tokenizer.json if `tokenizer_json`."""
+
+    def argv(tmp, dump, trained):
+        (tmp / "tok").mkdir()
+        if tokenizer_json:
+            shutil.copy(ROOT / "assets/tokenizer/kjv_bpe_hf/tokenizer.json", tmp / "tok")
+        (tmp / "tok" / "tokenizer_config.json").write_text(json.dumps(config))
+        return ["--model.tokenizer_path", str(tmp / "tok")]
+
+    return argv
+
+
 def dump_elsewhere(make):
     """job.dump_folder replaced by what make(tmp) returns."""
     return lambda tmp, dump, trained: ["--job.dump_folder", str(make(tmp))]
@@ -354,6 +368,33 @@ CASES = [
         "model.tokenizer_path: Malformed tokenizer file",
     ),
     Case(
+        "tokenizer.json not JSON",
+        with_file("--model.tokenizer_path", "tokenizer.json", b'{"model": '),
+        "model.tokenizer_path: {tmp}/tokenizer.json is not a tokenizer.json: not JSON (",
+    ),
+    Case(
+        "tokenizer.json not a tokenizer",
+        with_file("--model.tokenizer_path", "tokenizer.json", b'{"model": {"type": "BPE"}}'),
+        "model.tokenizer_path: {tmp}/tokenizer.json is not a tokenizer.json `tokenizers` can read (",
+    ),
+    Case(
+        "tokenizer folder without tokenizer.json",
+        hf_tokenizer_folder({"eos_token": "<|endoftext|>"}, tokenizer_json=False),
+        "model.tokenizer_path: {tmp}/tok is a folder, not a file, and holds no tokenizer.json; set it to",
+    ),
+    Case(
+        "tokenizer without EOS",
+        hf_tokenizer_folder({"eos_token": None}),
+        "model.tokenizer_path: {tmp}/tok/tokenizer.json has no EOS token",
+    ),
+    Case(
+        "tokenizer.json larger than the model's vocabulary",
+        args(
+            "--model.tokenizer_path", str(ROOT / "assets/tokenizer/kjv_bpe_hf"), "--model.vocab_size", "2000"
+        ),
+        "model.vocab_size: 2000 is smaller than the tokenizer's 2003 tokens; use -1 or a larger value",
+    ),
+    Case(
         "missing dataset", with_file("--training.dataset_path", "data.jsonl", None), "training.dataset_path:"
     ),
     Case("empty dataset", with_file("--training.dataset_path", "data.txt", b""), "training.dataset_path: "),
@@ -384,6 +425,25 @@ CASES = [
         "training.mixture: unknown source wikipedia: not a dataset name (c4, kjv, kjv_validation)",
     ),
     Case("unknown flavor", args("--model.flavor", "3B"), "model.flavor: llama3 has no flavor '3B'"),
+    Case(
+        "flavor of another family",
+        args("--model.name", "qwen3", "--model.flavor", "70B"),
+        "model.flavor: qwen3 has no flavor '70B'; choose one of debugmodel, debugmodel_untied, 0.6B, 1.7B",
+    ),
+    Case(
+        "TP not dividing the kv heads",
+        args("--model.name", "qwen3", "--parallelism.tensor_parallel_degree", "4"),
+        "parallelism.tensor_parallel_degree: 4 does not divide the model's 4 attention heads and 2 kv heads",
+        env={"WORLD_SIZE": "4"},
+    ),
+    Case(
+        "tied embeddings under PP",
+        args("--model.name", "qwen3", "--parallelism.pipeline_parallel_degree", "2"),
+        "parallelism.pipeline_parallel_degree: qwen3 debugmodel ties its embeddings to the output layer, "
+        "which the first and last pipeline stages cannot share; use pipeline_parallel_degree 1 or an untied "
+        "flavor",
+        env={"WORLD_SIZE": "2"},
+    ),
     # Validation data (checked before the first training step)
     Case(
         "missing validation dataset",

@@ -1,18 +1,22 @@
-"""Checkpoint conversion: DCP -> one torch.save file, and DCP <-> Hugging Face Llama (checked against
-transformers' own LlamaForCausalLM)."""
+"""Checkpoint conversion: DCP -> one torch.save file, and DCP <-> Hugging Face Llama and Qwen3 (checked
+against transformers' own LlamaForCausalLM and Qwen3ForCausalLM)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from scripts import convert_dcp_to_hf, convert_dcp_to_torch, convert_hf_to_dcp
 from torchtitan.checkpoint import read_model_weights
+from torchtitan.config_manager import ConfigError
+from torchtitan.models import MODEL_SPECS
 from torchtitan.models.llama import ModelArgs
 from torchtitan.models.llama.hf_convert import halves_to_interleaved, interleaved_to_halves
-from torchtitan.models.llama.model import Transformer
+from torchtitan.models.qwen3 import Qwen3ModelArgs
 
 # GQA (8 query heads sharing 2 kv heads) and Llama 3.1's scaled RoPE, with low frequencies that it scales.
 TINY_GQA = ModelArgs(
@@ -21,10 +25,11 @@ TINY_GQA = ModelArgs(
 )  # fmt: skip
 
 
-def random_model(args: ModelArgs) -> Transformer:
-    """Random values everywhere, norm weights included, so that no two parameters are alike."""
+def random_model(args: ModelArgs | Qwen3ModelArgs, name: str = "llama3") -> torch.nn.Module:
+    """The model of family `name` (a model.name) with random values everywhere, norm weights included,
+    so that no two parameters are alike."""
     torch.manual_seed(0)
-    model = Transformer(args)
+    model = MODEL_SPECS[name].build(args)
     model.init_weights(seed=0)
     with torch.no_grad():
         for p in model.parameters():
@@ -80,6 +85,94 @@ def test_dcp_to_hf_command_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         convert_dcp_to_hf.main([str(tmp_path / "dcp"), str(tmp_path / "x"), "--flavor", "nosuch"])
     assert "has no flavor 'nosuch'" in capsys.readouterr().err
+
+
+def tiny_qwen3(tied: bool) -> Qwen3ModelArgs:
+    """GQA (4 query heads on 2 kv heads) with a head size of 32, not dim / n_heads (16)."""
+    return Qwen3ModelArgs(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=96, vocab_size=100,
+        max_seq_len=32, tie_word_embeddings=tied,
+    )  # fmt: skip
+
+
+def qwen3_logits_difference(ours: torch.nn.Module, theirs: torch.nn.Module, args: Qwen3ModelArgs) -> float:
+    torch.manual_seed(1)
+    tokens = torch.randint(0, args.vocab_size, (2, args.max_seq_len))
+    with torch.no_grad():
+        return (ours(tokens) - theirs(tokens).logits).abs().max().item()
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_qwen3_from_hf_matches_transformers_and_round_trips_bit_exact(tmp_path, tied):
+    """A random transformers Qwen3ForCausalLM -> DCP -> ours: the same logits; -> HF again: the same files."""
+    transformers = pytest.importorskip("transformers")
+    args = tiny_qwen3(tied)
+    config = transformers.Qwen3Config(
+        vocab_size=args.vocab_size, hidden_size=args.dim, num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim,
+        intermediate_size=args.hidden_dim, rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta,
+        tie_word_embeddings=tied,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf_model = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf_model.parameters():  # the q/k norms too
+            p.normal_(0.0, 0.1 if p.ndim > 1 else 1.0)
+    hf_model.save_pretrained(tmp_path / "hf")
+    hf_weights = load_file(tmp_path / "hf" / "model.safetensors")
+    assert ("lm_head.weight" in hf_weights) != tied
+
+    convert_hf_to_dcp.convert(str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    weights = read_model_weights(str(tmp_path / "dcp"))
+    model = MODEL_SPECS["qwen3"].build(args).eval()
+    assert weights.keys() == model.state_dict().keys()  # output.weight too when tied
+    model.load_state_dict(weights)
+    assert qwen3_logits_difference(model, hf_model, args) < 1e-5
+
+    convert_dcp_to_hf.convert(str(tmp_path / "dcp"), str(tmp_path / "back"), args, name="qwen3")
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert back.keys() == hf_weights.keys()
+    for name, w in hf_weights.items():
+        assert torch.equal(back[name], w), name
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_qwen3_to_hf_loads_in_transformers(tmp_path, tied):
+    """Ours -> DCP -> HF folder: AutoModelForCausalLM builds a Qwen3ForCausalLM with the same logits."""
+    transformers = pytest.importorskip("transformers")
+    args = tiny_qwen3(tied)
+    model = random_model(args, "qwen3").eval()
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    convert_dcp_to_hf.convert(str(tmp_path / "dcp"), str(tmp_path / "hf"), args, name="qwen3")
+
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["architectures"], config["model_type"]) == (["Qwen3ForCausalLM"], "qwen3")
+    assert (config["head_dim"], config["num_key_value_heads"], config["intermediate_size"]) == (32, 2, 96)
+    assert (config["tie_word_embeddings"], config["rope_theta"]) == (tied, 1e6)
+    assert ("lm_head.weight" in load_file(tmp_path / "hf" / "model.safetensors")) != tied
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(hf_model).__name__ == "Qwen3ForCausalLM"
+    assert qwen3_logits_difference(model, hf_model, args) < 1e-5
+
+    if not tied:  # a tied flavour would drop the checkpoint's own output layer
+        with pytest.raises(ConfigError, match="--flavor: the flavor ties the output layer"):
+            convert_dcp_to_hf.convert(
+                str(tmp_path / "dcp"),
+                str(tmp_path / "x"),
+                replace(args, tie_word_embeddings=True),
+                name="qwen3",
+            )
+
+
+def test_hf_to_dcp_of_an_unsupported_model_type_is_one_line(tmp_path, capsys):
+    (tmp_path / "hf").mkdir()
+    config = {"model_type": "mistral", "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"x")
+    assert convert_hf_to_dcp.main([str(tmp_path / "hf"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "has model_type 'mistral'; give a model of a supported type (llama, qwen3)" in err
+    assert err.count("\n") == 1, err
 
 
 def test_dcp_to_torch_save_loads_with_weights_only(tmp_path):

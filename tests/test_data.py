@@ -141,6 +141,18 @@ def test_stream_is_bos_doc_eos_concatenated(tok):
     assert tok.decode(windows[1:]).startswith("Genesis 1\n\nIn the beginning God created the heaven")
 
 
+def test_stream_without_bos_is_doc_eos_concatenated(hf_tok):
+    """A tokenizer without BOS (Qwen3-style): documents are separated by EOS alone."""
+    first = hf_tok.encode(kjv_docs()[0], bos=False, eos=False)
+    expected = token_stream(hf_tok, kjv_docs()[:3])
+    assert expected[: len(first) + 1] == [*first, hf_tok.eos_id]
+    n_windows = len(expected) // (SEQ_LEN + 1)
+    windows = torch.cat(global_batches(loaders(hf_tok, (1, 1)), n_windows)).flatten().tolist()
+    assert windows == expected[: len(windows)] and windows.count(hf_tok.eos_id) == 2
+    assert hf_tok.decode(windows).startswith("Genesis 1\n\nIn the beginning God created the heaven")
+    assert "<|endoftext|>Genesis 2\n\n" in hf_tok.decode(windows)
+
+
 def test_rows_are_streams_of_dealt_documents(tok):
     """Global row j reads documents j, j + S, ...: row 1 of the first batch starts with chapter 2."""
     steps = 40  # past the first chapter of every stream

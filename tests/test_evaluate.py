@@ -1,5 +1,5 @@
 """scripts/evaluate.py: a checkpoint's held-out loss, on one process and on two, equals the loss
-transformers' own LlamaForCausalLM computes on the same windows."""
+transformers' own LlamaForCausalLM (and Qwen3ForCausalLM) computes on the same windows."""
 
 import importlib.util
 import os
@@ -37,7 +37,7 @@ def printed_loss(out: str) -> float:
 def transformers_loss(hf_folder, tokenizer) -> float:
     """The mean of transformers' loss over the first two validation batches (2 windows of 65 tokens)."""
     transformers = pytest.importorskip("transformers")
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(hf_folder, dtype=torch.float32).eval()
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32).eval()
     loader = build_hf_data_loader(
         "kjv_validation", None, tokenizer, 2, 64, 1, 0, infinite=False, split="validation"
     )
@@ -71,6 +71,24 @@ def test_evaluate_a_converted_model_equals_transformers(tmp_path, capsys):
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert abs(printed_loss(result.stdout) - expected) < 1e-5, (result.stdout, expected)
+
+
+def test_evaluate_a_converted_qwen3_equals_transformers(tmp_path, capsys):
+    """The debug Qwen3 (q/k norms, head_dim 32 != dim / n_heads, tied embeddings) through HF and back."""
+    tokenizer = Tokenizer(ROOT / "assets" / "tokenizer" / "kjv_bpe.tiktoken")
+    qwen3_job = [*JOB, "--model.name", "qwen3", "--model.flavor", "debugmodel"]
+    args = build_model_args(parse_args(qwen3_job), tokenizer.n_words)
+    model = random_model(args, "qwen3")
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    convert_dcp_to_hf.convert(str(tmp_path / "dcp"), str(tmp_path / "hf"), args, name="qwen3")
+    convert_hf_to_dcp.convert(str(tmp_path / "hf"), str(tmp_path / "from_hf"))
+    expected = transformers_loss(tmp_path / "hf", tokenizer)
+
+    job = [*qwen3_job, "--job.dump_folder", str(tmp_path / "run")]
+    assert load_evaluate().main([*job, "--checkpoint.initial_load_path", str(tmp_path / "from_hf")]) == 0
+    out = capsys.readouterr().out
+    assert "(256 tokens," in out
+    assert abs(printed_loss(out) - expected) < 1e-5, (out, expected)
 
 
 def test_evaluate_without_a_checkpoint_is_one_line(tmp_path, capsys):

@@ -29,6 +29,8 @@ from torchtitan.distributed import clip_grad_norm_
 from torchtitan.models.init import clean_fqn
 from torchtitan.models.llama import ModelArgs
 from torchtitan.models.llama.model import Transformer
+from torchtitan.models.qwen3 import Qwen3ModelArgs
+from torchtitan.models.qwen3.model import Transformer as Qwen3Transformer
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.parallelize_llama import (
     apply_ac,
@@ -39,6 +41,18 @@ from torchtitan.parallelisms.parallelize_llama import (
 from torchtitan.train_step import TrainStep, parallelize_model
 
 TINY = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=16)
+# Tied embeddings and per-head q/k norms; head_dim 32 is not dim / n_heads.
+QWEN3_TINY = Qwen3ModelArgs(
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=32,
+    hidden_dim=96,
+    vocab_size=128,
+    max_seq_len=16,
+    tie_word_embeddings=True,
+)
 SEED = 3
 
 # ---------------------------------------------------------------------------------------------
@@ -221,9 +235,9 @@ def _config(**parallelism) -> JobConfig:
     return config
 
 
-def _build(args: ModelArgs, world_mesh, dims: ParallelDims, config: JobConfig) -> nn.Module:
+def _build(args: ModelArgs, world_mesh, dims: ParallelDims, config: JobConfig, cls=Transformer) -> nn.Module:
     with torch.device("meta"):
-        model = Transformer(args)
+        model = cls(args)
     if world_mesh is not None:
         parallelize_llama(model, world_mesh, dims, config)
     model.to_empty(device="cpu")
@@ -371,6 +385,17 @@ def _mesh_worker(rank: int, world_size: int, tmp_dir: str) -> None:
             if case == "tp":
                 results["chunked_function"] = _chunked_function_diffs(mesh["tp"])
 
+        # Qwen3 with tied embeddings on FSDP 2 x TP 2: the tied table is one DTensor, the q/k norms see
+        # this rank's heads and their gradients are summed over the TP group.
+        dims = ParallelDims(dp_shard=2, tp=2, world_size=4, enable_loss_parallel=True)
+        config = _config(tensor_parallel_degree=2, enable_loss_parallel=True)
+        config.model.name = "qwen3"
+        model = _build(QWEN3_TINY, dims.build_mesh("cpu"), dims, config, Qwen3Transformer)
+        assert model.output.weight is model.tok_embeddings.weight
+        results["qwen3"] = {clean_fqn(n): _full(p) for n, p in model.named_parameters()}
+        results["qwen3_placements"] = {clean_fqn(n): tuple(p.placements) for n, p in model.named_parameters()}
+        results["qwen3_step"] = _loss_and_grads(model, tokens, loss_parallel_enabled=True)
+
         # The chunked loss against the unfused one on TP and PP layouts (4 sequences: 4 micro-batches).
         batch = torch.randint(0, TINY.vocab_size, (4, 17), generator=torch.Generator().manual_seed(1))
         fsdp_tp = ParallelDims(dp_shard=2, tp=2, world_size=4, enable_loss_parallel=True)
@@ -447,6 +472,26 @@ def test_tp_loss_grads_and_grad_norm_match_single_process(mesh_results, single, 
     """Sharded and replicated (norm) gradients each count once in the total norm."""
     _, (loss, norm, grads) = single
     got_loss, got_norm, got_grads = mesh_results[f"{case}_step"]
+    torch.testing.assert_close(got_loss, loss, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got_norm.float(), norm.float(), rtol=1e-6, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_qwen3_tied_on_fsdp_tp_matches_single_process(mesh_results):
+    """Init, loss, gradients (the tied table's: its embedding and output uses summed) and their norm."""
+    model = _build(QWEN3_TINY, None, None, None, Qwen3Transformer)
+    weights = {clean_fqn(n): p.detach().clone() for n, p in model.named_parameters()}
+    assert "output.weight" not in weights  # one parameter, tok_embeddings.weight
+    tokens = torch.randint(0, TINY.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    loss, norm, grads = _loss_and_grads(model, tokens, False)
+    assert mesh_results["qwen3"].keys() == weights.keys()
+    for name, value in weights.items():
+        assert torch.equal(mesh_results["qwen3"][name], value), name
+    placements = mesh_results["qwen3_placements"]
+    assert placements["tok_embeddings.weight"][1] == Shard(0)  # TP: a slice of the vocabulary
+    assert placements["layers.0.attention.q_norm.weight"] == (Shard(0), Replicate())
+    got_loss, got_norm, got_grads = mesh_results["qwen3_step"]
     torch.testing.assert_close(got_loss, loss, rtol=0, atol=1e-6)
     torch.testing.assert_close(got_norm.float(), norm.float(), rtol=1e-6, atol=0)
     for name, grad in grads.items():

@@ -13,7 +13,9 @@ from scripts.parity_matrix import (
     AC_OP,
     COMPILE,
     FSDP_KNOBS,
+    QWEN3_UNTIED,
     Layout,
+    pp,
     replicate,
     run_layout,
     tp,
@@ -27,12 +29,17 @@ CI_LAYOUTS = [
     Layout("FSDP 2 x TP 2 + AC selective op", 4, 2, 4, tp(2) + AC_OP),
     Layout("HSDP 2x2 + GA 2, reshard always, prefetch 2", 4, 1, 8, replicate(2) + FSDP_KNOBS),
     Layout("compile + AC selective op", 1, 4, 4, COMPILE + AC_OP),
+    # Qwen3: per-head q/k norms under TP, untied embeddings under PP (tied ones: test_parallelisms.py
+    # on FSDP x TP, test_qwen3_resume.py on FSDP).
+    Layout("Qwen3 untied: FSDP 2 x TP 2", 4, 2, 4, tp(2), QWEN3_UNTIED),
+    Layout("Qwen3 untied: PP 2, 1F1B", 2, 4, 4, pp(2), QWEN3_UNTIED),
+    Layout("Qwen3 untied: PP 2, Interleaved1F1B", 2, 4, 4, pp(2, "Interleaved1F1B"), QWEN3_UNTIED),
 ]
 
 
 @pytest.mark.parametrize("layout", CI_LAYOUTS, ids=lambda layout: layout.name)
 def test_layout_matches_single_process(layout, reference_run, tmp_path):
-    result = run_layout(layout, tmp_path, STEPS, reference_run(layout.global_batch))
+    result = run_layout(layout, tmp_path, STEPS, reference_run(layout.global_batch, layout.model))
     assert result.error is None, result.error
     assert result.max_loss_diff <= TOL and result.max_grad_norm_diff <= TOL, result
     assert result.max_validation_diff <= TOL, result

@@ -23,6 +23,7 @@ from torchtitan.datasets.pretokenized import WindowOrder  # noqa: E402
 from torchtitan.datasets.tokenizer import Tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+KJV_HF = ROOT / "assets/tokenizer/kjv_bpe_hf"
 SEQ_LEN = 8
 WINDOW = SEQ_LEN + 1
 DOCS = [f"Document {i}: " + "and it came to pass " * (i % 7 + 1) for i in range(40)]
@@ -101,6 +102,51 @@ def test_output_is_the_same_for_any_number_of_workers(tok, folder, tmp_path):
         offsets = np.load(folder / entry["offsets"])
         assert offsets[0] == 0 and offsets[-1] == len(shard) and len(offsets) == entry["num_documents"] + 1
         assert (shard[offsets[:-1]] == tok.bos_id).all()
+
+
+def test_tokenizer_without_bos(hf_tok, tok, folder, tmp_path):
+    """A Qwen3-style tokenizer folder (no BOS): every document ends with EOS, nothing begins it; the
+    manifest records the folder's tokenizer.json and its sha256; the loader reads the windows of that
+    stream; one tokenizer's shards are refused with the other."""
+    docs = folder.parent / "docs.jsonl"
+    assert (
+        pretokenize(docs, tmp_path / "hf", "--model.tokenizer_path", str(KJV_HF), "--docs-per-shard", "7")
+        == 0
+    )
+    manifest = json.loads((tmp_path / "hf" / "manifest.json").read_text())
+    sha = hashlib.sha256((KJV_HF / "tokenizer.json").read_bytes()).hexdigest()
+    assert manifest["tokenizer"] == {
+        "path": str(KJV_HF / "tokenizer.json"),
+        "sha256": sha,
+        "vocab_size": 2003,
+    }
+    shards = [np.fromfile(tmp_path / "hf" / s["tokens"], dtype=np.uint16) for s in manifest["shards"]]
+    assert np.concatenate(shards).tolist() == stream(hf_tok)
+    for shard, entry in zip(shards, manifest["shards"]):
+        offsets = np.load(tmp_path / "hf" / entry["offsets"])
+        assert (shard[offsets[1:] - 1] == hf_tok.eos_id).all()
+        assert (shard == hf_tok.eos_id).sum() == entry["num_documents"]
+    steps = len(stream(hf_tok)) // WINDOW // 4
+    expected = [reference(hf_tok, 4 * k, 4) for k in range(steps)]
+    assert all_equal(global_batches(loaders(hf_tok, tmp_path / "hf", (2, 2)), steps), expected)
+    for other, shards_of in ((hf_tok, folder), (tok, tmp_path / "hf")):
+        with pytest.raises(ValueError, match="was tokenized with another tokenizer"):
+            loaders(other, shards_of, (1, 4))
+
+
+def test_train_with_a_tokenizer_without_bos(tmp_path):
+    """train.py with the bundled Hugging Face tokenizer folder: a mixture of its pre-tokenized shards and
+    text, validated on text."""
+    with open(ROOT / "assets/corpus/kjv/train.jsonl") as f:
+        chapters = [json.loads(line)["text"] for _, line in zip(range(30), f)]
+    hf = ["--model.tokenizer_path", str(KJV_HF)]
+    text = write_jsonl(tmp_path / "kjv.jsonl", chapters)
+    assert pretokenize(text, tmp_path / "data", *hf, "--workers", "1") == 0
+    job = [*TINY_JOB, *hf, "--training.steps", "1", "--training.mixture", f"{tmp_path / 'data'}:1,{text}:1"]
+    job += ["--validation.enable", "true", "--validation.dataset_path", str(text), "--validation.steps", "1"]
+    assert run_train_in_process(*job, "--job.dump_folder", str(tmp_path / "run")) == 0
+    assert list(losses(tmp_path / "run")) == [1]
+    assert [r["step"] for r in read_records(tmp_path / "run") if "validation_loss" in r] == [1]
 
 
 def test_interrupted_run_leaves_nothing_and_existing_output_is_refused(folder, tmp_path, capsys, monkeypatch):

@@ -6,7 +6,12 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from launch import ROOT, TINY_JOB, VALIDATION, run_train_in_process
+from test_convert import random_model
+
+from torchtitan.config_parser import parse_args
+from torchtitan.models import build_model_args
 
 
 def load_script(name: str):
@@ -151,3 +156,51 @@ def test_generate_from_an_earlier_step_and_bad_input(runs, capsys):
     assert code == 2 and "job.dump_folder: no checkpoint in" in result.err
     code, result = sample(runs[0], capsys, "--max_new_token", "3")
     assert code == 2 and "unknown option --max_new_token; did you mean --max_new_tokens?" in result.err
+
+
+def test_generate_from_a_qwen3_checkpoint(tmp_path, capsys, tok):
+    """model.name qwen3 (tied embeddings: one parameter under two names in the checkpoint): greedy
+    sampling gives the greedy continuation of the very model that was saved."""
+    job = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--model.name", "qwen3"]
+    args = build_model_args(parse_args([*job, "--training.seq_len", "64"]), tok.n_words)
+    model = random_model(args, "qwen3").eval()
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "qwen3"), no_dist=True)
+    code, result = sample(tmp_path / "run", capsys, "--model.name", "qwen3", "--temperature", "0",
+                          "--checkpoint.initial_load_path", str(tmp_path / "qwen3"))  # fmt: skip
+    assert code == 0, result.err
+    assert "Loaded qwen3 debugmodel" in result.err
+
+    prompt = tok.encode("And God said", bos=True, eos=False)
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            next_id = int(model(torch.tensor([tokens]))[0, -1, : tok.n_words].argmax())
+            if next_id == tok.eos_id:
+                break
+            tokens.append(next_id)
+    assert len(tokens) > len(prompt)
+    assert result.out == "And God said" + tok.decode(tokens[len(prompt) :]) + "\n"
+
+
+def test_generate_with_a_tokenizer_without_bos(tmp_path, capsys, hf_tok):
+    """A Hugging Face tokenizer without BOS (Qwen3-style): the prompt starts after EOS, where documents
+    start in training, and greedy sampling continues it as the saved model does; an empty prompt works."""
+    hf = ["--model.tokenizer_path", str(ROOT / "assets" / "tokenizer" / "kjv_bpe_hf")]
+    job = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), *hf]
+    model = random_model(build_model_args(parse_args([*job, "--training.seq_len", "64"]), hf_tok.n_words))
+    dcp.save({"model": model.eval().state_dict()}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    greedy = [*hf, "--temperature", "0", "--checkpoint.initial_load_path", str(tmp_path / "ckpt")]
+    code, result = sample(tmp_path / "run", capsys, *greedy)
+    assert code == 0, result.err
+
+    tokens = [hf_tok.eos_id, *hf_tok.encode("And God said", bos=False, eos=False)]
+    start = len(tokens)
+    with torch.no_grad():
+        for _ in range(12):
+            next_id = int(model(torch.tensor([tokens]))[0, -1, : hf_tok.n_words].argmax())
+            if next_id == hf_tok.eos_id:
+                break
+            tokens.append(next_id)
+    assert result.out == "And God said" + hf_tok.decode(tokens[start:]) + "\n"
+    code, result = sample(tmp_path / "run", capsys, *greedy, "--prompt", "")
+    assert code == 0, result.err

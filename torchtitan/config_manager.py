@@ -34,12 +34,21 @@ class JobSectionConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = opt("llama3", "Model family", choices=("llama2", "llama3"))
-    flavor: str = opt("debugmodel", "Model size within the family, e.g. debugmodel, 8B, 70B, 405B")
+    name: str = opt(
+        "llama3",
+        "Model family (docs/models.md); its spec is torchtitan/models/__init__.py's MODEL_SPECS entry",
+        choices=("llama2", "llama3", "qwen3"),
+    )
+    flavor: str = opt(
+        "debugmodel",
+        "Model size within the family, e.g. debugmodel, 8B, 70B, 405B (llama3); 0.6B, 8B (qwen3)",
+    )
     tokenizer_path: str = opt(
         "assets/tokenizer/kjv_bpe.tiktoken",
-        "tiktoken BPE file (the bundled one, or Llama 3's tokenizer.model); relative paths are "
-        "resolved from the current folder, then from the repository root",
+        "tiktoken BPE file (the bundled one, or Llama 3's tokenizer.model), or a Hugging Face "
+        "tokenizer.json or a folder holding one and its tokenizer_config.json (e.g. Qwen3's, or the "
+        "bundled assets/tokenizer/kjv_bpe_hf); relative paths are resolved from the current folder, "
+        "then from the repository root",
     )
     vocab_size: int = opt(
         -1,

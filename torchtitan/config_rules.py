@@ -9,7 +9,7 @@ import math
 
 from torchtitan.config_manager import ConfigError, JobConfig, LRSchedulerConfig, TrainingConfig
 from torchtitan.models import flavor_args
-from torchtitan.models.llama import ModelArgs
+from torchtitan.models.spec import ModelArgs
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline_layout import (
     SPLIT_BACKWARD_SCHEDULES,
@@ -72,6 +72,18 @@ def check_parallelism(job_config: JobConfig, parallel_dims: ParallelDims, model_
     if option != "op" and not (digits and int(option) >= 1):
         raise ConfigError(
             f"activation_checkpoint.selective_ac_option: expected 'op' or a positive integer, got {option!r}"
+        )
+
+
+def check_tied_pipeline(job_config: JobConfig, model_args: ModelArgs) -> None:
+    """A tied embedding table would be both the first stage's and the last's: two copies whose
+    gradients nothing sums, so it is refused rather than trained wrong."""
+    if model_args.tie_word_embeddings:
+        model = job_config.model
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_degree: {model.name} {model.flavor} ties its embeddings to the "
+            "output layer, which the first and last pipeline stages cannot share; use "
+            "pipeline_parallel_degree 1 or an untied flavor"
         )
 
 
@@ -240,6 +252,7 @@ def check_layout(
     model_args = flavor_args(job_config.model)
     check_parallelism(job_config, parallel_dims, model_args)
     if parallel_dims.pp_enabled:
+        check_tied_pipeline(job_config, model_args)
         check_pipeline(job_config, model_args.n_layers)
     gradient_accumulation_steps(job_config.training, parallel_dims)
     check_validation(job_config, parallel_dims)

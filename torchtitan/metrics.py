@@ -11,6 +11,7 @@ import torch
 
 from torchtitan.config_manager import JobConfig
 from torchtitan.logging import logger
+from torchtitan.models import spec
 
 # Dense (no sparsity) peak FLOP/s from the vendors' datasheets, per device and matmul dtype.
 # Matched in order against torch.cuda.get_device_name(), so a name that contains another comes first
@@ -47,11 +48,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     return None
 
 
-def flops_per_token(num_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> int:
-    """Training FLOPs per token: 6 per parameter (forward + backward) plus attention scores and
-    weighted sum, 12 * layers * heads * head_dim * seq_len, not discounted for the causal mask (the
-    convention of the PaLM paper, so MFU figures compare with published ones)."""
-    return 6 * num_params + 12 * n_layers * n_heads * head_dim * seq_len
+flops_per_token = spec.flops_per_token  # MFU's formula; each family's spec applies it
 
 
 class _Colors:

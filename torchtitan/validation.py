@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torchtitan.config_manager import ConfigError, JobConfig
 from torchtitan.datasets.hf_datasets import build_hf_data_loader
-from torchtitan.datasets.tokenizer import Tokenizer
+from torchtitan.datasets.tokenizer import AnyTokenizer
 from torchtitan.distributed import dist_mean, dist_sum
 from torchtitan.models import vocab_size
 from torchtitan.parallelisms.parallel_dims import Meshes
@@ -40,7 +40,7 @@ class Validator:
         self,
         job_config: JobConfig,
         train_step: TrainStep,
-        tokenizer: Tokenizer,
+        tokenizer: AnyTokenizer,
         meshes: Meshes,
     ) -> None:
         validation = job_config.validation

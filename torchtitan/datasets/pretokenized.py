@@ -1,10 +1,11 @@
 """Pre-tokenized datasets: token shards written once by scripts/pretokenize.py, read by memory map.
 
 A pre-tokenized folder holds ``manifest.json`` and, per shard, ``shard-NNNNN.bin`` (the tokens of a
-contiguous range of documents, each framed by BOS/EOS as the on-the-fly loader encodes it; uint16 when
-the vocabulary fits, else uint32) and ``shard-NNNNN.offsets.npy`` (int64: where each document starts,
-then the shard's length). Training cuts windows of ``seq_len + 1`` tokens from the concatenation of all
-shards: window w is tokens ``[w * (seq_len + 1), (w + 1) * (seq_len + 1))``, the partial tail dropped.
+contiguous range of documents, each framed by BOS, if the tokenizer has one, and EOS as the on-the-fly
+loader encodes it; uint16 when the vocabulary fits, else uint32) and ``shard-NNNNN.offsets.npy`` (int64:
+where each document starts, then the shard's length). Training cuts windows of ``seq_len + 1`` tokens
+from the concatenation of all shards: window w is tokens ``[w * (seq_len + 1), (w + 1) * (seq_len + 1))``,
+the partial tail dropped.
 
 Global row j of optimizer step k (S sequences per step) reads window ``order(k * S + j)`` of the epoch,
 ``order`` being the identity or, with ``training.shuffle_windows``, a seeded bijection of the windows that
@@ -30,6 +31,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
+from torchtitan.datasets.hf_tokenizer import tokenizer_file
 from torchtitan.datasets.streams import micro_batch_rows
 from torchtitan.logging import logger
 
@@ -259,9 +261,9 @@ _worker: dict[str, Any] = {}
 
 
 def _init_worker(tokenizer_path: str, dtype: str, folder: str) -> None:
-    from torchtitan.datasets.tokenizer import Tokenizer
+    from torchtitan.datasets.tokenizer import build_tokenizer
 
-    _worker.update(tokenizer=Tokenizer(tokenizer_path), dtype=DTYPES[dtype], folder=Path(folder))
+    _worker.update(tokenizer=build_tokenizer(tokenizer_path), dtype=DTYPES[dtype], folder=Path(folder))
 
 
 def _write_shard(index: int, texts: list[str]) -> dict[str, Any]:
@@ -322,8 +324,8 @@ def pretokenize(
             "format": "torchtitan pre-tokenized",
             "version": FORMAT_VERSION,
             "tokenizer": {
-                "path": tokenizer_path,
-                "sha256": file_sha256(tokenizer_path),
+                "path": str(tokenizer_file(tokenizer_path)),
+                "sha256": file_sha256(tokenizer_file(tokenizer_path)),
                 "vocab_size": vocab_size,
             },
             "dtype": dtype,

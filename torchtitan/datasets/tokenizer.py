@@ -1,7 +1,8 @@
-"""Llama 3 style tiktoken tokenizer.
+"""Llama 3 style tiktoken tokenizer, and `build_tokenizer`, which picks the reader for a path.
 
 Reads the same ``base64(token_bytes) rank`` BPE files as Meta's Llama 3 ``tokenizer.model``, so the real
 128k vocabulary and the small bundled ``assets/tokenizer/kjv_bpe.tiktoken`` go through one code path.
+Hugging Face ``tokenizer.json`` files are hf_tokenizer.py's.
 """
 
 import base64
@@ -11,6 +12,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import tiktoken
+
+from torchtitan.datasets.hf_tokenizer import HFTokenizer
 
 # Llama 3 pre-tokenizer: contractions, words, numbers of up to 3 digits, punctuation runs, newlines, spaces.
 LLAMA3_PAT_STR = (
@@ -133,3 +136,15 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``; byte sequences that are not valid UTF-8 become U+FFFD."""
         return self.model.decode(list(ids))
+
+
+# Either reader: model_path, n_words, bos_id (None for a tokenizer without BOS), eos_id, encode, decode.
+AnyTokenizer = Tokenizer | HFTokenizer
+
+
+def build_tokenizer(path: str | Path) -> AnyTokenizer:
+    """The tokenizer at ``model.tokenizer_path``: a folder or a ``.json`` file is a Hugging Face
+    tokenizer (hf_tokenizer.py), anything else a tiktoken BPE file."""
+    if Path(path).is_dir() or Path(path).suffix.lower() == ".json":
+        return HFTokenizer(path)
+    return Tokenizer(path)

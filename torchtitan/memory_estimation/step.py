@@ -9,12 +9,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from torchtitan.config_manager import ConfigError, JobConfig, resolve_path
-from torchtitan.datasets.tokenizer import Tokenizer
+from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.distributed import clip_grad_norm_
 from torchtitan.memory_estimation.torch_internals import FakeTensorMode
-from torchtitan.models import build_model_args
+from torchtitan.models import build_model_args, model_spec
 from torchtitan.models import vocab_size as padded_vocab_size
-from torchtitan.models.llama.model import Transformer
 from torchtitan.optimizer import build_optimizer
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.parallelize_llama import parallelize_llama
@@ -26,9 +25,10 @@ from torchtitan.train_step import TrainStep, autocast_context, parallelize_model
 
 def vocab_size_of(cfg: JobConfig) -> int:
     """The embedding rows train.py would use: max(model.vocab_size, the tokenizer's vocabulary).
-    The tokenizer file may be missing here when model.vocab_size is set."""
+    The tokenizer (a file, or a Hugging Face tokenizer folder) may be missing here when model.vocab_size
+    is set."""
     path = resolve_path(cfg.model.tokenizer_path)
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         if cfg.model.vocab_size > 0:
             return cfg.model.vocab_size
         raise ConfigError(
@@ -36,7 +36,7 @@ def vocab_size_of(cfg: JobConfig) -> int:
             "--model.vocab_size 128256 for Llama 3's tokenizer"
         )
     with bad_input("model.tokenizer_path"):  # e.g. not a tokenizer file
-        return padded_vocab_size(cfg.model, Tokenizer(path).n_words)
+        return padded_vocab_size(cfg.model, build_tokenizer(path).n_words)
 
 
 def pipeline_stage_io(
@@ -100,7 +100,7 @@ def build_step(
     if n_layers is not None:
         model_args = replace(model_args, n_layers=n_layers)
     with torch.device("meta"):
-        model = Transformer.from_model_args(model_args)
+        model = model_spec(cfg.model).build(model_args)
     stage_io = None
     if parallel_dims.pp_enabled and fake_mode is not None:
         autocast = autocast_context(parallel_dims, cfg.training, device)

@@ -1,18 +1,48 @@
-"""The model registry: model.name -> its flavours, and the arguments a job builds its model with.
+"""The model registry: model.name -> its family's spec (torchtitan/models/spec.py), and the arguments a
+job builds its model with.
 
 Torch-free, so that the preflight checks a flavour and its shape before any worker starts."""
 
 from dataclasses import replace
 
 from torchtitan.config_manager import ConfigError, JobConfig, ModelConfig
-from torchtitan.models.llama import ModelArgs, llama2_configs, llama3_configs
+from torchtitan.models.llama import llama2_configs, llama3_configs
+from torchtitan.models.qwen3 import qwen3_configs
+from torchtitan.models.spec import ModelArgs, ModelSpec
 
-MODEL_FLAVORS: dict[str, dict[str, ModelArgs]] = {"llama2": llama2_configs, "llama3": llama3_configs}
+
+def _llama(name: str, flavors: dict) -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        flavors=flavors,
+        model="torchtitan.models.llama.model:Transformer",
+        tp_plan="torchtitan.parallelisms.parallelize_llama:llama_block_plan",
+        hf_adapter="torchtitan.models.llama.hf_convert",
+        hf_architecture="LlamaForCausalLM",
+    )
+
+
+MODEL_SPECS: dict[str, ModelSpec] = {
+    "llama2": _llama("llama2", llama2_configs),
+    "llama3": _llama("llama3", llama3_configs),
+    "qwen3": ModelSpec(
+        name="qwen3",
+        flavors=qwen3_configs,
+        model="torchtitan.models.qwen3.model:Transformer",
+        tp_plan="torchtitan.parallelisms.qwen3:qwen3_block_plan",
+        hf_adapter="torchtitan.models.qwen3.hf_convert",
+        hf_architecture="Qwen3ForCausalLM",
+    ),
+}
+
+
+def model_spec(model_config: ModelConfig) -> ModelSpec:
+    return MODEL_SPECS[model_config.name]
 
 
 def flavor_args(model_config: ModelConfig) -> ModelArgs:
     """The shared table entry of the job's flavour (do not change it: `build_model_args` copies)."""
-    flavors = MODEL_FLAVORS[model_config.name]
+    flavors = model_spec(model_config).flavors
     if model_config.flavor not in flavors:
         raise ConfigError(
             f"model.flavor: {model_config.name} has no flavor {model_config.flavor!r}; "

@@ -1,4 +1,4 @@
-"""Apply the job's parallelism to a Llama model built on the meta device.
+"""Apply the job's parallelism to a model built on the meta device (any family: torchtitan/models/spec.py).
 
 Each technique is a plain function; `parallelize_llama` composes them in the order PyTorch needs:
 tensor parallelism first (it turns parameters into DTensors on the tp mesh), then activation
@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtitan.config_manager import JobConfig
+from torchtitan.models import model_spec
 from torchtitan.parallelisms.float8 import float8_tensorwise_tp, tp_styles
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 
@@ -42,6 +43,7 @@ def parallelize_llama(
             parallel_dims.loss_parallel_enabled,
             par.enable_async_tensor_parallel,
             float8_tensorwise=float8_tensorwise_tp(job_config),
+            block_plan=model_spec(job_config.model).block_tp_plan(),
         )
     ac = job_config.activation_checkpoint
     if ac.mode != "none":
@@ -82,6 +84,7 @@ def apply_tp(
     loss_parallel: bool,
     async_tp: bool,
     float8_tensorwise: bool = False,
+    block_plan: Callable[[nn.Module, bool], dict] | None = None,
 ) -> None:
     """Megatron-style tensor parallelism with sequence parallelism.
 
@@ -91,7 +94,9 @@ def apply_tp(
     loss parallel the logits stay sharded along the vocabulary for the loss. With
     `float8_tensorwise` (Float8Linears of the tensorwise recipe) the attention and feed-forward whose
     linear layers are all Float8Linears take torchao's float8 styles, which all-gather their input in
-    float8; the root's styles stay plain (its output layer is kept out of float8 by default)."""
+    float8; the root's styles stay plain (its output layer is kept out of float8 by default).
+    `block_plan(block, float8_tensorwise)` is the family's plan of a block (default: Llama's); a tied
+    output layer keeps the embeddings' weight (both are sharded along the vocabulary)."""
     root_plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
@@ -104,23 +109,11 @@ def apply_tp(
     # A pipeline stage may lack the embeddings, the final norm or the output.
     root_plan = {name: style for name, style in root_plan.items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, root_plan)
+    if model.model_args.tie_word_embeddings and model.tok_embeddings is not None and model.output is not None:
+        model.output.weight = model.tok_embeddings.weight  # both Shard(0): one DTensor
+    block_plan = block_plan or llama_block_plan
     for block in model.layers.values():
-        a_colwise, a_rowwise, a_prepare = tp_styles(block.attention, float8_tensorwise)
-        f_colwise, f_rowwise, f_prepare = tp_styles(block.feed_forward, float8_tensorwise)
-        block_plan = {
-            "attention_norm": SequenceParallel(),
-            "attention": a_prepare(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-            "attention.wq": a_colwise(),
-            "attention.wk": a_colwise(),
-            "attention.wv": a_colwise(),
-            "attention.wo": a_rowwise(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": f_prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": f_colwise(),
-            "feed_forward.w2": f_rowwise(output_layouts=Shard(1)),
-            "feed_forward.w3": f_colwise(),
-        }
-        parallelize_module(block, tp_mesh, block_plan)
+        parallelize_module(block, tp_mesh, block_plan(block, float8_tensorwise))
     if async_tp:
         from torch._inductor import config as inductor_config
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
@@ -129,6 +122,26 @@ def apply_tp(
         # that overlap with them, through symmetric memory on the tp group.
         inductor_config._micro_pipeline_tp = True
         enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+def llama_block_plan(block: nn.Module, float8_tensorwise: bool) -> dict:
+    """A Llama block's TP plan: the norms on sequence shards; attention and feed-forward gather the
+    sequence, run column- then row-wise sharded projections and reduce-scatter back."""
+    a_colwise, a_rowwise, a_prepare = tp_styles(block.attention, float8_tensorwise)
+    f_colwise, f_rowwise, f_prepare = tp_styles(block.feed_forward, float8_tensorwise)
+    return {
+        "attention_norm": SequenceParallel(),
+        "attention": a_prepare(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        "attention.wq": a_colwise(),
+        "attention.wk": a_colwise(),
+        "attention.wv": a_colwise(),
+        "attention.wo": a_rowwise(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": f_prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": f_colwise(),
+        "feed_forward.w2": f_rowwise(output_layouts=Shard(1)),
+        "feed_forward.w3": f_colwise(),
+    }
 
 
 # Ops whose outputs selective op AC keeps: the expensive ones to recompute. Every other matmul's

@@ -96,7 +96,18 @@ def check_model_files(job_config: JobConfig) -> None:
     """The files a job's model is built from (the tokenizer, the checkpoint a new run starts from),
     which the scripts that only read a run check too."""
     tokenizer_path = job_config.model.tokenizer_path
-    check_file("model.tokenizer_path", tokenizer_path, resolve_path(tokenizer_path), text=True)
+    resolved = resolve_path(tokenizer_path)
+    if os.path.isdir(resolved):  # a Hugging Face tokenizer folder (hf_tokenizer.py; torch-free here)
+        inner = os.path.join(tokenizer_path, "tokenizer.json")
+        if not os.path.lexists(os.path.join(resolved, "tokenizer.json")):
+            raise ConfigError(
+                f"model.tokenizer_path: {shown(tokenizer_path)} is a folder, not a file, and holds no "
+                "tokenizer.json; set it to a tiktoken BPE file, a Hugging Face tokenizer.json or a folder "
+                "holding one"
+            )
+        check_file("model.tokenizer_path", inner, os.path.join(resolved, "tokenizer.json"), text=True)
+    else:
+        check_file("model.tokenizer_path", tokenizer_path, resolved, text=True)
     if (path := job_config.checkpoint.initial_load_path) is not None:
         check_folder("checkpoint.initial_load_path", path, fix="point it at a step-N checkpoint folder")
         check_initial_load_path(job_config.checkpoint)

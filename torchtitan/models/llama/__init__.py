@@ -24,6 +24,24 @@ class ModelArgs:
     # Scale the init std of output projections by layer depth rather than by model depth.
     depth_init: bool = True
 
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        """Llama 2 and 3 (as built here) keep the output layer apart from the embeddings."""
+        return False
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """SwiGLU's hidden size: 2/3 of a 4*dim MLP's (the same parameter count), times
+        ffn_dim_multiplier, rounded up to a multiple of multiple_of."""
+        hidden_dim = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden_dim = int(self.ffn_dim_multiplier * hidden_dim)
+        return self.multiple_of * ((hidden_dim + self.multiple_of - 1) // self.multiple_of)
+
 
 llama2_configs = {
     "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16),

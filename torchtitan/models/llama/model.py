@@ -98,7 +98,7 @@ class Attention(nn.Module):
         super().__init__()
         n_kv_heads = model_args.n_kv_heads or model_args.n_heads
         self.n_rep = model_args.n_heads // n_kv_heads
-        self.head_dim = model_args.dim // model_args.n_heads
+        self.head_dim = model_args.head_dim
         self.wq = nn.Linear(model_args.dim, model_args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(model_args.dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(model_args.dim, n_kv_heads * self.head_dim, bias=False)
@@ -130,12 +130,8 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
 
-    def __init__(self, dim: int, hidden_dim: int, multiple_of: int, ffn_dim_multiplier: float | None):
+    def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
-        hidden_dim = int(2 * hidden_dim / 3)  # keep the parameter count of a 4*dim MLP
-        if ffn_dim_multiplier is not None:
-            hidden_dim = int(ffn_dim_multiplier * hidden_dim)
-        hidden_dim = multiple_of * ((hidden_dim + multiple_of - 1) // multiple_of)
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
@@ -150,17 +146,14 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + attention(norm(x)), then h + feed_forward(norm(h))."""
+    """Pre-norm block: x + attention(norm(x)), then h + feed_forward(norm(h)).
 
-    def __init__(self, layer_id: int, model_args: ModelArgs):
+    `attention(x, freqs_cis)` and `feed_forward(x)` are the family's; each has `init_weights(init_std)`."""
+
+    def __init__(self, layer_id: int, model_args: ModelArgs, attention: nn.Module, feed_forward: nn.Module):
         super().__init__()
-        self.attention = Attention(model_args)
-        self.feed_forward = FeedForward(
-            dim=model_args.dim,
-            hidden_dim=4 * model_args.dim,
-            multiple_of=model_args.multiple_of,
-            ffn_dim_multiplier=model_args.ffn_dim_multiplier,
-        )
+        self.attention = attention
+        self.feed_forward = feed_forward
         self.attention_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)
         self.ffn_norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)
         # Smaller init for the projections that write into the residual stream, so its
@@ -183,7 +176,9 @@ class Transformer(nn.Module):
     """Llama decoder returning float logits (no loss).
 
     `layers` is a ModuleDict keyed by layer id, and `tok_embeddings`, `norm` and `output` may
-    be set to None, so a pipeline stage keeps the FQNs of the full model.
+    be set to None, so a pipeline stage keeps the FQNs of the full model. Other families subclass it
+    with their own blocks (`build_block`) and RoPE; with `model_args.tie_word_embeddings` the output
+    layer's weight is the embedding table (one parameter, `tok_embeddings.weight`).
     """
 
     def __init__(self, model_args: ModelArgs):
@@ -193,10 +188,29 @@ class Transformer(nn.Module):
         # Not persistent: recomputed by init_weights, so not part of checkpoints.
         self.register_buffer("freqs_cis", self._precompute_freqs_cis(), persistent=False)
         self.layers = nn.ModuleDict(
-            {str(layer_id): TransformerBlock(layer_id, model_args) for layer_id in range(model_args.n_layers)}
+            {str(layer_id): self.build_block(layer_id, model_args) for layer_id in range(model_args.n_layers)}
         )
         self.norm = RMSNorm(model_args.dim, eps=model_args.norm_eps)
         self.output = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
+        if model_args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _apply(self, fn, recurse: bool = True) -> "Transformer":
+        """Conversions (`to_empty`, `to`) replace each module's parameters one by one, which would
+        untie a tied output layer: tie it again."""
+        super()._apply(fn, recurse)
+        if (
+            self.model_args.tie_word_embeddings
+            and self.tok_embeddings is not None
+            and self.output is not None
+        ):
+            self.output.weight = self.tok_embeddings.weight
+        return self
+
+    @staticmethod
+    def build_block(layer_id: int, model_args: ModelArgs) -> nn.Module:
+        feed_forward = FeedForward(model_args.dim, model_args.ffn_hidden_dim)
+        return TransformerBlock(layer_id, model_args, Attention(model_args), feed_forward)
 
     @classmethod
     def from_model_args(cls, model_args: ModelArgs) -> "Transformer":
@@ -204,7 +218,7 @@ class Transformer(nn.Module):
 
     def _precompute_freqs_cis(self, device: torch.device | None = None) -> torch.Tensor:
         return precompute_freqs_cis(
-            self.model_args.dim // self.model_args.n_heads,
+            self.model_args.head_dim,
             self.model_args.max_seq_len,
             self.model_args.rope_theta,
             self.model_args.use_scaled_rope,
@@ -221,14 +235,18 @@ class Transformer(nn.Module):
             buffer_device = next(self.parameters()).device
         self.freqs_cis = self._precompute_freqs_cis(buffer_device)
         with seeded_init(self, seed):
-            if self.tok_embeddings is not None:
+            if self.tok_embeddings is not None and not self.model_args.tie_word_embeddings:
                 normal_(self.tok_embeddings.weight)
             for layer in self.layers.values():
                 layer.init_weights()
             if self.norm is not None:
                 self.norm.init_weights()
             if self.output is not None:
-                final_out_std = self.model_args.dim**-0.5
+                # A tied table is initialised once, here, with transformers' initializer_range (0.02):
+                # a token's final hidden state starts near its own embedding, whose logit is
+                # dim * std, so the untied std (dim**-0.5, a logit of sqrt(dim)) would start far too high.
+                tied = self.model_args.tie_word_embeddings
+                final_out_std = 0.02 if tied else self.model_args.dim**-0.5
                 cutoff_factor = 3
                 trunc_normal_(
                     self.output.weight,
@@ -238,9 +256,10 @@ class Transformer(nn.Module):
                 )
 
     def num_params(self, exclude_embedding: bool = False) -> int:
-        """Parameters held by this module (a PP stage counts its own); global sizes for DTensors."""
+        """Parameters held by this module (a PP stage counts its own); global sizes for DTensors.
+        `exclude_embedding` leaves out the embedding table unless it is tied to the output layer."""
         num = sum(p.numel() for p in self.parameters())
-        if exclude_embedding and self.tok_embeddings is not None:
+        if exclude_embedding and self.tok_embeddings is not None and not self.model_args.tie_word_embeddings:
             num -= self.tok_embeddings.weight.numel()
         return num
 

@@ -1,0 +1,87 @@
+"""What every family's Hugging Face adapter (`torchtitan/models/<family>/hf_convert.py`, the spec's
+`hf_adapter`) shares: renaming parameters by a table, the tied output layer, and the config.json keys
+of any decoder built on Llama's transformer.
+
+An adapter module has `MODEL_TYPE` (config.json's "model_type", by which convert_hf_to_dcp.py picks
+it), `to_hf(state_dict, model_args)`, `from_hf(state_dict, config)` and
+`hf_config(model_args, state_dict, max_position_embeddings, dtype)` (config.json, less
+"architectures": that is the spec's `hf_architecture`).
+"""
+
+import re
+from collections.abc import Callable
+
+import torch
+
+from torchtitan.models.spec import ModelArgs
+
+# (our parameter name, its tensor in the source layout) -> the tensor in the target layout.
+RowOrder = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def _as_is(name: str, w: torch.Tensor) -> torch.Tensor:
+    return w
+
+
+def rename(name: str, table: dict[str, str]) -> str:
+    """`name` through `table`, whose keys and values have "{}" where a layer number goes."""
+    layer = re.search(r"layers\.(\d+)\.", name)
+    pattern = name.replace(layer.group(0), "layers.{}.", 1) if layer else name
+    if pattern not in table:
+        raise KeyError(f"no parameter named {name!r} in this model family")
+    return table[pattern].format(layer.group(1)) if layer else table[pattern]
+
+
+def to_hf_names(
+    state_dict: dict[str, torch.Tensor], names: dict[str, str], tied: bool, rows: RowOrder = _as_is
+) -> dict[str, torch.Tensor]:
+    """Our state dict -> HF's, renamed by `names` (ours -> HF's), each tensor through `rows`. A tied
+    output layer is left out: HF's tied models have no lm_head.weight in their files."""
+    return {
+        rename(name, names): rows(name, w).contiguous()
+        for name, w in state_dict.items()
+        if not (tied and name == "output.weight")
+    }
+
+
+def from_hf_names(
+    state_dict: dict[str, torch.Tensor], names: dict[str, str], rows: RowOrder = _as_is
+) -> dict[str, torch.Tensor]:
+    """HF's state dict -> ours, renamed by the inverse of `names` (ours -> HF's), each tensor through
+    `rows`. A tied model's missing lm_head becomes output.weight, a copy of the embeddings: our state
+    dict has both keys, tied or not, so the checkpoint starts a tied run and an untied one alike."""
+    inverse = {hf: ours for ours, hf in names.items()}
+    converted = {}
+    for hf_name, w in state_dict.items():
+        name = rename(hf_name, inverse)
+        converted[name] = rows(name, w).contiguous()
+    if "output.weight" not in converted:
+        converted["output.weight"] = converted["tok_embeddings.weight"].clone()
+    return converted
+
+
+def decoder_config(
+    model_args: ModelArgs,
+    state_dict: dict[str, torch.Tensor],
+    max_position_embeddings: int,
+    dtype: torch.dtype,
+) -> dict:
+    """The config.json keys every family here shares. Sizes are read from our state dict (the vocabulary
+    as padded), the rest from `model_args` (which also has `norm_eps` and `rope_theta`)."""
+    vocab_size, dim = state_dict["tok_embeddings.weight"].shape
+    return {
+        "hidden_size": dim,
+        "intermediate_size": state_dict["layers.0.feed_forward.w1.weight"].shape[0],
+        "num_hidden_layers": len({k.split(".")[1] for k in state_dict if k.startswith("layers.")}),
+        "num_attention_heads": model_args.n_heads,
+        "num_key_value_heads": model_args.n_kv_heads or model_args.n_heads,
+        "head_dim": model_args.head_dim,
+        "vocab_size": vocab_size,
+        "rms_norm_eps": model_args.norm_eps,
+        "rope_theta": float(model_args.rope_theta),
+        "max_position_embeddings": max_position_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": model_args.tie_word_embeddings,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
