@@ -96,8 +96,8 @@ FSDP_KNOBS = (
 # Qwen3's debug flavours on the bundled tokenizer.json: embeddings tied to the output layer (as in 0.6B
 # to 4B) and untied (8B and up; pipeline stages cannot share a tied table).
 QWEN3 = ("--model.name", "qwen3", "--model.tokenizer_path", "assets/tokenizer/kjv_bpe_hf")
-QWEN3_TIED = (*QWEN3, "--model.flavor", "debugmodel")
-QWEN3_UNTIED = (*QWEN3, "--model.flavor", "debugmodel_untied")
+QWEN3_UNTIED = (*QWEN3, "--model.flavor", "debugmodel")
+QWEN3_TIED = (*QWEN3, "--model.flavor", "debugmodel_tied")
 
 MATRIX = [
     Layout("FSDP 2", 2, 2, 4),
@@ -132,6 +132,7 @@ MATRIX = [
     Layout("Qwen3 untied: TP 2 + chunked loss + GA 2", 2, 2, 4, tp(2) + CHUNKED_LOSS, QWEN3_UNTIED),
     Layout("Qwen3 untied: PP 2, 1F1B", 2, 4, 4, pp(2), QWEN3_UNTIED),
     Layout("Qwen3 untied: PP 2, Interleaved1F1B", 2, 4, 4, pp(2, "Interleaved1F1B"), QWEN3_UNTIED),
+    Layout("Qwen3 untied: compile + AC selective op", 1, 4, 4, COMPILE + AC_OP, QWEN3_UNTIED),
 ]
 
 

@@ -428,7 +428,7 @@ CASES = [
     Case(
         "flavor of another family",
         args("--model.name", "qwen3", "--model.flavor", "70B"),
-        "model.flavor: qwen3 has no flavor '70B'; choose one of debugmodel, debugmodel_untied, 0.6B, 1.7B",
+        "model.flavor: qwen3 has no flavor '70B'; choose one of debugmodel, debugmodel_tied, 0.6B, 1.7B",
     ),
     Case(
         "TP not dividing the kv heads",
@@ -438,10 +438,17 @@ CASES = [
     ),
     Case(
         "tied embeddings under PP",
-        args("--model.name", "qwen3", "--parallelism.pipeline_parallel_degree", "2"),
-        "parallelism.pipeline_parallel_degree: qwen3 debugmodel ties its embeddings to the output layer, "
-        "which the first and last pipeline stages cannot share; use pipeline_parallel_degree 1 or an untied "
-        "flavor",
+        args(
+            "--model.name",
+            "qwen3",
+            "--model.flavor",
+            "debugmodel_tied",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+        ),
+        "parallelism.pipeline_parallel_degree: qwen3 debugmodel_tied ties its embeddings to the output "
+        "layer, which the first and last pipeline stages cannot share; use pipeline_parallel_degree 1 or an "
+        "untied flavor",
         env={"WORLD_SIZE": "2"},
     ),
     # Validation data (checked before the first training step)

@@ -33,7 +33,7 @@ def run(cmd: list[str], ngpu: int = 1) -> subprocess.CompletedProcess:
 
 def rows(stdout: str, columns: int) -> list[list[float]]:
     """The last `columns` numbers of each table row."""
-    lines = [line.split() for line in stdout.splitlines() if line.startswith("llama3")]
+    lines = [line.split() for line in stdout.splitlines() if line.startswith(("llama3", "qwen3"))]
     return [[float(x) for x in words[-columns:]] for words in lines]
 
 
@@ -183,6 +183,17 @@ def test_big_model_estimate_shards_parameters_and_optimizer_state():
     shard = 1_498_482_688 * 4 / 8 / GIB
     assert optimizer == pytest.approx(2 * shard, rel=0.01)
     assert shard <= params < shard + 1.5  # plus the gathered bf16 blocks and root
+    assert peak == pytest.approx(params + grads + optimizer + activations, abs=0.005)
+
+
+def test_tied_qwen3_estimate_counts_the_shared_table_once():
+    """Qwen3 0.6B (596,049,920 parameters with its 151,936-row table, tied to the output layer) over 8
+    FSDP ranks: AdamW's two fp32 states of each rank's eighth, the table counted once."""
+    ((params, grads, optimizer, activations, peak),) = estimate(
+        8, "--model.name", "qwen3", "--model.flavor", "0.6B", "--model.vocab_size", "151936"
+    )
+    shard = 596_049_920 * 4 / 8 / GIB
+    assert optimizer == pytest.approx(2 * shard, rel=0.01)
     assert peak == pytest.approx(params + grads + optimizer + activations, abs=0.005)
 
 

@@ -76,7 +76,7 @@ def test_evaluate_a_converted_model_equals_transformers(tmp_path, capsys):
 def test_evaluate_a_converted_qwen3_equals_transformers(tmp_path, capsys):
     """The debug Qwen3 (q/k norms, head_dim 32 != dim / n_heads, tied embeddings) through HF and back."""
     tokenizer = Tokenizer(ROOT / "assets" / "tokenizer" / "kjv_bpe.tiktoken")
-    qwen3_job = [*JOB, "--model.name", "qwen3", "--model.flavor", "debugmodel"]
+    qwen3_job = [*JOB, "--model.name", "qwen3", "--model.flavor", "debugmodel_tied"]
     args = build_model_args(parse_args(qwen3_job), tokenizer.n_words)
     model = random_model(args, "qwen3")
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)

@@ -161,14 +161,15 @@ def test_generate_from_an_earlier_step_and_bad_input(runs, capsys):
 def test_generate_from_a_qwen3_checkpoint(tmp_path, capsys, tok):
     """model.name qwen3 (tied embeddings: one parameter under two names in the checkpoint): greedy
     sampling gives the greedy continuation of the very model that was saved."""
-    job = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--model.name", "qwen3"]
+    tied = ["--model.name", "qwen3", "--model.flavor", "debugmodel_tied"]
+    job = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), *tied]
     args = build_model_args(parse_args([*job, "--training.seq_len", "64"]), tok.n_words)
     model = random_model(args, "qwen3").eval()
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "qwen3"), no_dist=True)
-    code, result = sample(tmp_path / "run", capsys, "--model.name", "qwen3", "--temperature", "0",
+    code, result = sample(tmp_path / "run", capsys, *tied, "--temperature", "0",
                           "--checkpoint.initial_load_path", str(tmp_path / "qwen3"))  # fmt: skip
     assert code == 0, result.err
-    assert "Loaded qwen3 debugmodel" in result.err
+    assert "Loaded qwen3 debugmodel_tied" in result.err
 
     prompt = tok.encode("And God said", bos=True, eos=False)
     tokens = list(prompt)

@@ -32,12 +32,11 @@ class Qwen3ModelArgs:
 _SMALL = dict(n_kv_heads=8, head_dim=128, tie_word_embeddings=True)
 qwen3_configs = {
     # Tiny, for the tests and the CPU recipe: head_dim 32 is not dim / n_heads (256 / 4 = 64), as in
-    # the released sizes; tied like them up to 4B, and untied for pipeline parallelism.
-    "debugmodel": Qwen3ModelArgs(
+    # the released sizes; untied like 8B and up (so every layout runs it, pipelines too), and tied
+    # like 0.6B to 4B.
+    "debugmodel": Qwen3ModelArgs(dim=256, n_layers=6, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=768),
+    "debugmodel_tied": Qwen3ModelArgs(
         dim=256, n_layers=6, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=768, tie_word_embeddings=True
-    ),
-    "debugmodel_untied": Qwen3ModelArgs(
-        dim=256, n_layers=6, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=768
     ),
     "0.6B": Qwen3ModelArgs(dim=1024, n_layers=28, n_heads=16, hidden_dim=3072, **_SMALL),
     "1.7B": Qwen3ModelArgs(dim=2048, n_layers=28, n_heads=16, hidden_dim=6144, **_SMALL),
