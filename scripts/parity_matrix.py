@@ -128,7 +128,7 @@ MATRIX = [
     Layout("Qwen3 tied: FSDP 2", 2, 2, 4, model=QWEN3_TIED),
     Layout("Qwen3 tied: HSDP 2x2", 4, 1, 4, replicate(2), QWEN3_TIED),
     Layout("Qwen3 untied: TP 2 (SP, loss parallel)", 2, 4, 4, tp(2), QWEN3_UNTIED),
-    Layout("Qwen3 untied: FSDP 2 x TP 2", 4, 2, 4, tp(2), QWEN3_UNTIED),
+    Layout("Qwen3 untied: FSDP 2 x TP 2 + AC selective op", 4, 2, 4, tp(2) + AC_OP, QWEN3_UNTIED),
     Layout("Qwen3 untied: TP 2 + chunked loss + GA 2", 2, 2, 4, tp(2) + CHUNKED_LOSS, QWEN3_UNTIED),
     Layout("Qwen3 untied: PP 2, 1F1B", 2, 4, 4, pp(2), QWEN3_UNTIED),
     Layout("Qwen3 untied: PP 2, Interleaved1F1B", 2, 4, 4, pp(2, "Interleaved1F1B"), QWEN3_UNTIED),

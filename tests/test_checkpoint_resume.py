@@ -15,8 +15,8 @@ LAYOUTS = {
     "fsdp2_async": (2, 2, ["--checkpoint.async_mode", "async"]),
     "hsdp2x2": (4, 1, ["--parallelism.data_parallel_replicate_degree", "2"]),
     "tp2": (2, 4, ["--parallelism.tensor_parallel_degree", "2"]),
-    "pp2": (2, 4, ["--parallelism.pipeline_parallel_degree", "2"]),
 }
+# Pipeline parallelism resumes bit for bit in test_pipeline.py (ZBV, two model parts on a rank).
 
 
 def check(result):
@@ -65,17 +65,17 @@ def test_resume_is_bitwise(tmp_path, layout):
         assert left == ["step-4", "step-7", "step-8"]
 
 
+# FSDP 4 -> FSDP 2 is test_qwen3_resume.py's (the resharding is the family's shared code).
 RESHARD_TARGETS = {
-    "fsdp2": (2, 2, []),
     "single": (1, 4, []),
     "tp2": (2, 4, ["--parallelism.tensor_parallel_degree", "2"]),
 }
 
 
 def test_resume_on_other_layouts(tmp_path):
-    """Saved by FSDP over 4 ranks (batch 1 each), resumed by FSDP 2 (batch 2), by one process (batch 4)
-    and by TP 2: the optimizer state is resharded and the data stream goes on, so the losses continue
-    those of the run that never stopped."""
+    """Saved by FSDP over 4 ranks (batch 1 each), resumed by one process (batch 4) and by TP 2: the
+    optimizer state is resharded and the data stream goes on, so the losses continue those of the run
+    that never stopped."""
     check(run_train(4, tmp_path / "fsdp4", *STEPS, "--training.batch_size", "1"))
     straight = losses(tmp_path / "fsdp4")
     for name, (nproc, batch, overrides) in RESHARD_TARGETS.items():

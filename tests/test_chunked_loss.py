@@ -14,7 +14,6 @@ from scripts.parity_matrix import (
     FSDP_KNOBS,
     Layout,
     run_layout,
-    run_reference,
     tp,
 )
 from torchtitan.config_parser import parse_args
@@ -100,11 +99,11 @@ CHUNKED_LAYOUTS = [
 ]
 
 
-def test_chunked_runs_match_the_unfused_single_process_run(tmp_path):
+def test_chunked_runs_match_the_unfused_single_process_run(tmp_path, reference_run):
     """train.py under torchrun: the chunked loss composed with FSDP (the root kept gathered), TP (loss
     parallel: vocabulary shards, sequence parallel), gradient accumulation, compile and selective AC
     logs the losses, gradient norms and validation losses of the unfused 1-process run."""
-    reference = run_reference(tmp_path / "reference", 4, 10)
+    reference = reference_run(4)  # conftest.py's, shared with test_parity.py
     for i, layout in enumerate(CHUNKED_LAYOUTS):
         result = run_layout(layout, tmp_path / str(i), 10, reference)
         assert result.error is None, result.error

@@ -4,7 +4,7 @@ Each run composes several techniques so that few launches cover them all (4-proc
 cold torch.compile cost most): any one of them going wrong breaks its run's parity; FSDP 2 alone, the
 plain data-parallel case, is here too. DDP's accumulation is checked in test_parallelisms.py. The script
 runs each technique on its own as well, and DDP and AC every N-th block. The references (conftest.py's
-reference_run) are shared with test_train.py and test_pipeline.py."""
+reference_run) are shared with test_train.py, test_pipeline.py and test_chunked_loss.py."""
 
 import pytest
 
@@ -26,12 +26,13 @@ TOL = 1e-5
 CI_LAYOUTS = [
     Layout("FSDP 2", 2, 2, 4),
     Layout("TP 2 (SP, loss parallel) + GA 2 + AC full", 2, 2, 4, tp(2) + AC_FULL),
-    Layout("FSDP 2 x TP 2 + AC selective op", 4, 2, 4, tp(2) + AC_OP),
     Layout("HSDP 2x2 + GA 2, reshard always, prefetch 2", 4, 1, 8, replicate(2) + FSDP_KNOBS),
-    Layout("compile + AC selective op", 1, 4, 4, COMPILE + AC_OP),
-    # Qwen3: per-head q/k norms under TP, untied embeddings under PP (tied ones: test_parallelisms.py
-    # on FSDP x TP, test_qwen3_resume.py on FSDP).
-    Layout("Qwen3 untied: FSDP 2 x TP 2", 4, 2, 4, tp(2), QWEN3_UNTIED),
+    # Qwen3 (its debug recipe's untied flavour): per-head q/k norms under TP, and the shared FSDP x TP
+    # + selective AC and compile + selective AC paths, which Llama's debug model took here before (its
+    # FSDP x TP + AC and compile runs are test_chunked_loss.py's); tied embeddings: test_parallelisms.py
+    # on FSDP x TP, test_qwen3_resume.py on FSDP.
+    Layout("Qwen3 untied: FSDP 2 x TP 2 + AC selective op", 4, 2, 4, tp(2) + AC_OP, QWEN3_UNTIED),
+    Layout("Qwen3 untied: compile + AC selective op", 1, 4, 4, COMPILE + AC_OP, QWEN3_UNTIED),
     Layout("Qwen3 untied: PP 2, 1F1B", 2, 4, 4, pp(2), QWEN3_UNTIED),
     Layout("Qwen3 untied: PP 2, Interleaved1F1B", 2, 4, 4, pp(2, "Interleaved1F1B"), QWEN3_UNTIED),
 ]
