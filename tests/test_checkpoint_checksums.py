@@ -1,5 +1,5 @@
 """Every save writes checksums.json, listing every file of the checkpoint (with several ranks, each
-rank's own files: test_checkpoint_resume.py's fsdp2_async case checks its two-rank checkpoints); a load
+rank's own files: test_qwen3_resume.py checks two-rank checkpoints written async and not); a load
 checks it first unless checkpoint.verify_checksums is off, and a checkpoint without one loads
 unverified. The damaged-checkpoint cases are in test_bad_input.py's table."""
 

@@ -22,6 +22,9 @@ from scripts.parity_matrix import (
 )
 
 STEPS = 10  # reference_run's
+MICROBATCHES_4 = ("--parallelism.pipeline_parallel_microbatches", "4")
+SPLIT_POINTS = ("--parallelism.pipeline_parallel_split_points", "layers.1,layers.3,layers.5")
+INTERLEAVED_SPLIT = pp(2, "Interleaved1F1B") + SPLIT_POINTS
 TOL = 1e-5
 CI_LAYOUTS = [
     Layout("FSDP 2", 2, 2, 4),
@@ -33,8 +36,9 @@ CI_LAYOUTS = [
     # on FSDP x TP, test_qwen3_resume.py on FSDP.
     Layout("Qwen3 untied: FSDP 2 x TP 2 + AC selective op", 4, 2, 4, tp(2) + AC_OP, QWEN3_UNTIED),
     Layout("Qwen3 untied: compile + AC selective op", 1, 4, 4, COMPILE + AC_OP, QWEN3_UNTIED),
-    Layout("Qwen3 untied: PP 2, 1F1B", 2, 4, 4, pp(2), QWEN3_UNTIED),
-    Layout("Qwen3 untied: PP 2, Interleaved1F1B", 2, 4, 4, pp(2, "Interleaved1F1B"), QWEN3_UNTIED),
+    # Pipelines (their code is any family's): 1F1B on 4 micro-batches, Interleaved1F1B split by name.
+    Layout("Qwen3 untied: PP 2, 1F1B, 4 micro-batches", 2, 4, 4, pp(2) + MICROBATCHES_4, QWEN3_UNTIED),
+    Layout("Qwen3 untied: PP 2, Interleaved1F1B, split points", 2, 4, 4, INTERLEAVED_SPLIT, QWEN3_UNTIED),
 ]
 
 

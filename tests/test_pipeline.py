@@ -170,17 +170,7 @@ def test_default_microbatches_is_the_number_of_stages():
 # batch. name: (processes, per-rank batch, overrides).
 LAYOUTS = {
     "gpipe": (2, 4, ["--parallelism.pipeline_parallel_schedule", "GPipe"]),
-    "1f1b_4mb": (2, 4, ["--parallelism.pipeline_parallel_microbatches", "4"]),
-    "interleaved_1f1b_split_points": (
-        2,
-        4,
-        [
-            "--parallelism.pipeline_parallel_schedule",
-            "Interleaved1F1B",
-            "--parallelism.pipeline_parallel_split_points",
-            "layers.1,layers.3,layers.5",
-        ],
-    ),
+    # 1F1B with 4 micro-batches and Interleaved1F1B with split points: test_parity.py's Qwen3 layouts.
     "looped_bfs": (2, 4, ["--parallelism.pipeline_parallel_schedule", "LoopedBFS"]),
     # With the chunked loss: the last stage outputs its final hidden states, its loss projects them.
     "interleaved_zero_bubble_chunked_loss": (
