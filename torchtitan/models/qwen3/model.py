@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.init import ones_, trunc_normal_
+from torchtitan.models.init import ones_
 from torchtitan.models.llama import model as llama
 from torchtitan.models.qwen3 import Qwen3ModelArgs
 
@@ -28,29 +28,21 @@ def apply_rotary_emb(
     return rotate(xq), rotate(xk)
 
 
-class Attention(nn.Module):
-    """Causal GQA attention with an RMSNorm over each query and key head before RoPE.
+class Attention(llama.Attention):
+    """Llama's causal GQA attention (its projections, with Qwen3's head size) with an RMSNorm over each
+    query and key head before RoPE.
 
     Head counts are read from the projected tensors, so the module also runs when tensor
     parallelism shards wq/wk/wv column-wise; the norms then see this rank's heads (their weights
     are replicated and their gradients summed over the TP group, see the TP plan)."""
 
     def __init__(self, model_args: Qwen3ModelArgs):
-        super().__init__()
-        n_kv_heads = model_args.n_kv_heads or model_args.n_heads
-        self.n_rep = model_args.n_heads // n_kv_heads
-        self.head_dim = model_args.head_dim
-        self.wq = nn.Linear(model_args.dim, model_args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(model_args.dim, n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(model_args.dim, n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(model_args.n_heads * self.head_dim, model_args.dim, bias=False)
+        super().__init__(model_args)
         self.q_norm = llama.RMSNorm(self.head_dim, eps=model_args.norm_eps)
         self.k_norm = llama.RMSNorm(self.head_dim, eps=model_args.norm_eps)
 
     def init_weights(self, init_std: float) -> None:
-        for linear in (self.wq, self.wk, self.wv):
-            trunc_normal_(linear.weight, std=0.02)
-        trunc_normal_(self.wo.weight, std=init_std)
+        super().init_weights(init_std)
         ones_(self.q_norm.weight)
         ones_(self.k_norm.weight)
 
