@@ -20,6 +20,7 @@ from torchtitan.distributed import (
     init_distributed,
     set_collective_timeout,
 )
+from torchtitan.load_balance import LoadBalance
 from torchtitan.logging import init_logger, logger
 from torchtitan.metrics import MetricLogger, peak_flops
 from torchtitan.models import build_model_args, model_spec
@@ -106,7 +107,9 @@ def main(job_config: JobConfig) -> int:
     if resumed_step is not None:
         logger.info(f"Resumed from step {resumed_step}")
 
-    train_step = TrainStep(model_parts, pipeline, parallel_dims, training, device)
+    # Mixture-of-experts models: the auxiliary loss and the routing biases (torchtitan/load_balance.py).
+    load_balance = LoadBalance(model_parts, job_config.moe, meshes.dp, meshes.pp) if spec.moe else None
+    train_step = TrainStep(model_parts, pipeline, parallel_dims, training, device, load_balance)
     # Per device, for tokens/s and MFU: pipeline and tensor-parallel ranks share the work of each token.
     tokens_per_rank = grad_accum_steps * training.batch_size * training.seq_len
     metric_logger = MetricLogger(
@@ -148,6 +151,7 @@ def main(job_config: JobConfig) -> int:
                 if precompute_scales:
                     precompute_float8_scales(model_parts)
             lr_scheduler.step()
+            moe_metrics = load_balance.step_done() if load_balance is not None else {}
             metric_logger.step_done()
 
             if metric_logger.should_log(step):
@@ -159,6 +163,7 @@ def main(job_config: JobConfig) -> int:
                     lr_scheduler.get_last_lr()[0],
                     nonfinite.skipped,
                     data_loader.tokens_by_source(),
+                    {name: value.item() for name, value in moe_metrics.items()},
                 )
                 nonfinite.check(step, loss_value)
             if validator is not None and validator.should_validate(step):

@@ -15,6 +15,7 @@
 | compile | train.py's steady step time compiled / eager | < 1 |
 | chunked-loss memory | a step's peak memory with / without training.loss_chunk_tokens | saves >= logits |
 | chunked-loss step time | that step's time with / without training.loss_chunk_tokens | (reported) |
+| MoE step time | Qwen3-MoE debug model's step time / a dense Qwen3's of the same active parameters | <= 1.5 |
 
 Each part runs in a fresh process (train.py's main() disables GC, compiles, may start process
 groups), on the debug model, one process per rank, `--threads` intra-op threads each. train.py's
@@ -40,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -95,14 +97,18 @@ def train_step_time(dump_folder: str, extra: list[str]) -> dict:
     return {"wall": best["step_time"], "cpu": cpu, "tokens": best["tps"] * best["step_time"]}
 
 
-def reference_step_time(extra: list[str], warmup: int = 3) -> dict:
+def reference_step_time(extra: list[str], warmup: int = 3, model_args=None) -> dict:
     """Step seconds (wall and CPU, best window) of a minimal PyTorch loop: same model, batch and
-    optimizer as train.py, one fixed batch, no data loader, logging, scheduler or checkpointing."""
+    optimizer as train.py, one fixed batch, no data loader, logging, scheduler or checkpointing.
+    `model_args`: the family's arguments to build instead of the job's flavour."""
     from torchtitan.datasets.tokenizer import build_tokenizer
     from torchtitan.models import build_model_args, model_spec
 
     job_config = parse_args([*TRAIN_ARGS, *extra])
     args = build_model_args(job_config, build_tokenizer(ROOT / job_config.model.tokenizer_path).n_words)
+    args = (
+        replace(model_args, vocab_size=args.vocab_size, max_seq_len=args.max_seq_len) if model_args else args
+    )
     device = torch.device("cuda" if ON_GPU else "cpu")
     with torch.device("meta"):
         model = model_spec(job_config.model).build(args)
@@ -263,6 +269,23 @@ def part_fsdp_memory(tmp: str) -> dict:
     return benchmark_memory.fsdp_memory(TRAIN_ARGS)
 
 
+MOE_ARGS = ["--model.name", "qwen3_moe", "--model.tokenizer_path", "assets/tokenizer/kjv_bpe_hf"]
+
+
+def part_moe(tmp: str) -> dict:
+    """The Qwen3-MoE debug model (a dense layer of 768 hidden units, then 3 sparse layers whose tokens
+    each take 2 experts of 256) vs a dense Qwen3 with the same active parameters (4 layers of 576
+    hidden units; the routers' 6k weights aside), in the same minimal loop, on its recipe's batch."""
+    from torchtitan.models.qwen3 import qwen3_configs
+
+    dense_args = replace(qwen3_configs["debugmodel"], n_layers=4, hidden_dim=(768 + 3 * 2 * 256) // 4)
+    dense_extra = ["--model.name", "qwen3", "--model.tokenizer_path", "assets/tokenizer/kjv_bpe_hf"]
+    batch = ["--training.batch_size", "8", "--training.seq_len", "256"]  # qwen3_moe_debug.toml's
+    moe = reference_step_time([*MOE_ARGS, *batch])
+    dense = reference_step_time([*dense_extra, *batch], model_args=dense_args)
+    return {"value": step_ratio(moe, dense), "moe": moe, "dense": dense}
+
+
 def part_chunked_loss(tmp: str) -> dict:
     return benchmark_memory.chunked_loss(TRAIN_ARGS, LOSS_CHUNK_TOKENS)
 
@@ -276,6 +299,7 @@ PARTS = {
     "checkpoint": part_checkpoint,
     "fsdp_memory": part_fsdp_memory,
     "chunked_loss": part_chunked_loss,
+    "moe": part_moe,
 }
 
 
@@ -445,6 +469,16 @@ def run_all(threads: int, tmp: str) -> dict:
         True,
         f"chunked {ms(m['chunked'])}, unfused {ms(m['unfused'])}",
         m,
+    )
+    e = run_part("moe", tmp, threads)
+    add(
+        "MoE step time",
+        e["value"],
+        "<= 1.5",
+        e["value"] <= 1.5,
+        f"Qwen3-MoE debugmodel {ms(e['moe'])}, dense Qwen3 of the same active parameters "
+        f"{ms(e['dense'])} (a hand-written loop, one process)",
+        e,
     )
     return {"setup": setup, "figures": figures}
 

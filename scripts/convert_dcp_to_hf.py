@@ -1,6 +1,7 @@
 """Export a checkpoint's model weights as a Hugging Face folder (config.json and model.safetensors)
 that `transformers.AutoModelForCausalLM.from_pretrained` loads, for any model.name (Llama 2 and 3 as
-LlamaForCausalLM, Qwen3 as Qwen3ForCausalLM):
+LlamaForCausalLM, Qwen3 as Qwen3ForCausalLM, Qwen3-MoE as Qwen3MoeForCausalLM with the Hub's
+per-expert weights):
 
     python scripts/convert_dcp_to_hf.py outputs/checkpoint/step-100 hf_model --name llama3 --flavor debugmodel
     python scripts/convert_dcp_to_hf.py outputs/checkpoint/step-100 hf_model --name qwen3 --flavor 0.6B
@@ -37,11 +38,22 @@ def convert(
     dtype: torch.dtype | None = None,
     max_position_embeddings: int = 8192,
     name: str = "llama3",
+    drop_expert_bias: bool = False,
 ) -> None:
-    """Write config.json and model.safetensors of model.name `name`'s checkpoint into `output`."""
+    """Write config.json and model.safetensors of model.name `name`'s checkpoint into `output`. A
+    mixture-of-experts model's routing biases (moe.bias_update_rate) have no place in HF's model: a
+    non-zero one is refused unless `drop_expert_bias`, as the model routes differently without it."""
     check_checkpoint("checkpoint", checkpoint)
     check_writable_folder("output", output)
     weights = read_model_weights(checkpoint)
+    biases = [key for key in weights if key.endswith(".expert_bias")]
+    if not drop_expert_bias and any(weights[key].any() for key in biases):
+        raise ConfigError(
+            "--drop-expert-bias: the checkpoint's experts were chosen with a routing bias "
+            "(moe.bias_update_rate) that Hugging Face's model has no place for, so it would route tokens "
+            "differently; pass --drop-expert-bias to export it without the bias"
+        )
+    weights = {key: w for key, w in weights.items() if key not in biases}
     dim = weights["tok_embeddings.weight"].shape[1]
     if dim != model_args.dim:
         raise ConfigError(f"--flavor: the checkpoint's model has dim {dim}, the flavor {model_args.dim}")
@@ -83,13 +95,25 @@ def run(argv: list[str] | None) -> int:
     parser.add_argument(
         "--max-position-embeddings", type=int, default=8192, help="context length written to config.json"
     )
+    parser.add_argument(
+        "--drop-expert-bias",
+        action="store_true",
+        help="export a mixture-of-experts model trained with moe.bias_update_rate without its routing "
+        "biases (HF's model has none; it then routes differently)",
+    )
     args = parser.parse_args(argv)
     flavors = MODEL_SPECS[args.name].flavors
     if args.flavor not in flavors:
         parser.error(f"--flavor: {args.name} has no flavor {args.flavor!r}; one of {', '.join(flavors)}")
     dtype = DTYPES[args.dtype] if args.dtype else None
     convert(
-        args.checkpoint, args.output, flavors[args.flavor], dtype, args.max_position_embeddings, args.name
+        args.checkpoint,
+        args.output,
+        flavors[args.flavor],
+        dtype,
+        args.max_position_embeddings,
+        args.name,
+        args.drop_expert_bias,
     )
     print(f"wrote {args.output}/config.json and model.safetensors")
     return 0

@@ -36,6 +36,7 @@ from torchtitan.config_manager import ConfigError  # noqa: E402
 from torchtitan.config_parser import parse_args  # noqa: E402
 from torchtitan.memory_estimation.measure import measure  # noqa: E402
 from torchtitan.memory_estimation.report import estimate  # noqa: E402
+from torchtitan.models import model_spec  # noqa: E402
 from torchtitan.reliability.errors import run_with_exit_codes  # noqa: E402
 
 
@@ -76,6 +77,12 @@ def run(argv: list[str]) -> int:
             raise ConfigError("--measure: give one --job.config_file")
         measure(configs[0])
         return 0
+    for job_config in configs:
+        if model_spec(job_config.model).moe:
+            raise ConfigError(
+                f"model.name: the estimator does not model {job_config.model.name}'s experts yet (their "
+                "tokens per rank depend on the routing); measure a run with --measure instead"
+            )
     ngpu = os.environ.get("NGPU", "8")
     if not (ngpu.isascii() and ngpu.isdigit()) or int(ngpu) < 1:
         raise ConfigError(f"NGPU: expected a positive number of ranks, got {ngpu!r}")

@@ -9,7 +9,8 @@ computed.
 
 Usage: python scripts/parity_matrix.py [--only SUBSTRING ...] [--steps 10] [--tol 1e-5] [--keep DIR]
 
-Prints a table of the largest |loss - reference| and |grad_norm - reference| per layout and exits
+Prints a table of the largest |loss - reference| and |grad_norm - reference| per layout (and, for
+mixture-of-experts models, of the auxiliary loss and the expert load) and exits
 non-zero if any layout fails or differs by more than the tolerance. The full matrix takes about 10
 minutes on 2 CPU cores (4-process layouts and the cold torch.compile are the slow ones).
 """
@@ -71,6 +72,10 @@ def pp(n: int, schedule: str = "1F1B") -> tuple[str, ...]:
     return (PP_DEGREE, str(n), "--parallelism.pipeline_parallel_schedule", schedule)
 
 
+def ep(n: int) -> tuple[str, ...]:
+    return ("--parallelism.expert_parallel_degree", str(n))
+
+
 def replicate(n: int) -> tuple[str, ...]:
     return ("--parallelism.data_parallel_replicate_degree", str(n))
 
@@ -98,6 +103,10 @@ FSDP_KNOBS = (
 QWEN3 = ("--model.name", "qwen3", "--model.tokenizer_path", "assets/tokenizer/kjv_bpe_hf")
 QWEN3_UNTIED = (*QWEN3, "--model.flavor", "debugmodel")
 QWEN3_TIED = (*QWEN3, "--model.flavor", "debugmodel_tied")
+# Qwen3-MoE's debug flavour (8 experts, top 2, a dense first layer), its experts balanced by the auxiliary
+# loss (the default) or by DeepSeek-V3's routing bias alone.
+QWEN3_MOE = ("--model.name", "qwen3_moe", "--model.tokenizer_path", "assets/tokenizer/kjv_bpe_hf")
+QWEN3_MOE_BIAS = (*QWEN3_MOE, "--moe.aux_loss_coef", "0", "--moe.bias_update_rate", "0.01")
 
 MATRIX = [
     Layout("FSDP 2", 2, 2, 4),
@@ -133,6 +142,24 @@ MATRIX = [
     Layout("Qwen3 untied: PP 2, 1F1B", 2, 4, 4, pp(2), QWEN3_UNTIED),
     Layout("Qwen3 untied: PP 2, Interleaved1F1B", 2, 4, 4, pp(2, "Interleaved1F1B"), QWEN3_UNTIED),
     Layout("Qwen3 untied: compile + AC selective op", 1, 4, 4, COMPILE + AC_OP, QWEN3_UNTIED),
+    Layout("Qwen3-MoE: FSDP 2", 2, 2, 4, model=QWEN3_MOE),
+    Layout("Qwen3-MoE: HSDP 2x2", 4, 1, 4, replicate(2), QWEN3_MOE),
+    Layout("Qwen3-MoE: FSDP 2 + AC full", 2, 2, 4, AC_FULL, QWEN3_MOE),
+    Layout("Qwen3-MoE: compile + AC selective op", 1, 4, 4, COMPILE + AC_OP, QWEN3_MOE),
+    Layout("Qwen3-MoE: FSDP 2 + chunked loss", 2, 2, 4, CHUNKED_LOSS, QWEN3_MOE),
+    Layout("Qwen3-MoE bias: FSDP 2", 2, 2, 4, model=QWEN3_MOE_BIAS),
+    Layout("Qwen3-MoE bias: FSDP 2 + GA 2 + AC full", 2, 1, 4, AC_FULL, QWEN3_MOE_BIAS),
+    Layout("Qwen3-MoE bias: PP 2, 1F1B", 2, 4, 4, pp(2), QWEN3_MOE_BIAS),
+    Layout("Qwen3-MoE bias: PP 2, Interleaved1F1B", 2, 4, 4, pp(2, "Interleaved1F1B"), QWEN3_MOE_BIAS),
+    Layout("Qwen3-MoE: EP 2", 2, 2, 4, ep(2), QWEN3_MOE),
+    Layout("Qwen3-MoE: EP 2 on FSDP 4", 4, 1, 4, ep(2), QWEN3_MOE),
+    Layout("Qwen3-MoE: EP 2, HSDP 2x2", 4, 1, 4, ep(2) + replicate(2), QWEN3_MOE),
+    Layout("Qwen3-MoE: EP 2 + AC full + chunked loss", 2, 2, 4, ep(2) + AC_FULL + CHUNKED_LOSS, QWEN3_MOE),
+    Layout("Qwen3-MoE: EP 2 + AC every 2nd block", 2, 2, 4, ep(2) + AC_EVERY_2, QWEN3_MOE),
+    Layout("Qwen3-MoE: EP 2 + compile", 2, 2, 4, ep(2) + COMPILE, QWEN3_MOE),
+    Layout("Qwen3-MoE bias: EP 2", 2, 2, 4, ep(2), QWEN3_MOE_BIAS),
+    Layout("Qwen3-MoE bias: EP 2 + GA 2", 2, 1, 4, ep(2), QWEN3_MOE_BIAS),
+    Layout("Qwen3-MoE bias: PP 2 x EP 2", 4, 2, 4, pp(2) + ep(2), QWEN3_MOE_BIAS),
 ]
 
 
@@ -143,11 +170,13 @@ class Result:
     max_grad_norm_diff: float = float("nan")
     step1_loss_diff: float = float("nan")
     max_validation_diff: float = float("nan")
+    # Mixture-of-experts models: the auxiliary loss and the expert load (0 for dense models).
+    max_moe_diff: float = 0.0
     seconds: float = 0.0
     error: str | None = None
 
     def ok(self, tol: float) -> bool:
-        diffs = (self.max_loss_diff, self.max_grad_norm_diff, self.max_validation_diff)
+        diffs = (self.max_loss_diff, self.max_grad_norm_diff, self.max_validation_diff, self.max_moe_diff)
         return self.error is None and all(diff <= tol for diff in diffs)
 
 
@@ -186,6 +215,12 @@ def run_layout(layout: Layout, folder: Path, steps: int, reference: list[dict]) 
     result.max_loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(reference, metrics))
     result.max_grad_norm_diff = max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(reference, metrics))
     result.step1_loss_diff = abs(reference[0]["loss"] - metrics[0]["loss"])
+    for key in ("aux_loss", "expert_load"):
+        if any((key in a) != (key in b) for a, b in zip(reference, metrics)):
+            result.error = f"{key} is logged by one run and not the other"
+            return result
+        diffs = [abs(a[key] - b[key]) for a, b in zip(reference, metrics) if key in a]
+        result.max_moe_diff = max([result.max_moe_diff, *diffs])
     validated = [(a["validation_loss"], b["validation_loss"]) for a, b in zip(reference, metrics)]
     if not any(a is not None for a, _ in validated) or any((a is None) != (b is None) for a, b in validated):
         result.error = "validated steps differ from the reference"
@@ -211,7 +246,8 @@ def run_matrix(layouts: list[Layout], folder: Path, steps: int) -> list[Result]:
 
 def format_table(results: list[Result], tol: float) -> str:
     rows = [
-        ("layout", "procs", "max |dloss|", "max |dgrad_norm|", "step-1 |dloss|", "max |dval|", "time", "")
+        ("layout", "procs", "max |dloss|", "max |dgrad_norm|", "step-1 |dloss|", "max |dval|", "max |dmoe|")
+        + ("time", "")
     ]
     for r in results:
         status = "ok" if r.ok(tol) else f"FAIL {r.error or ''}".strip()
@@ -223,6 +259,7 @@ def format_table(results: list[Result], tol: float) -> str:
                 f"{r.max_grad_norm_diff:.2e}",
                 f"{r.step1_loss_diff:.2e}",
                 f"{r.max_validation_diff:.2e}",
+                f"{r.max_moe_diff:.2e}",
                 f"{r.seconds:.0f}s",
                 status,
             )

@@ -451,6 +451,52 @@ CASES = [
         "untied flavor",
         env={"WORLD_SIZE": "2"},
     ),
+    Case(
+        "TP with a mixture of experts",
+        args("--model.name", "qwen3_moe", "--parallelism.tensor_parallel_degree", "2"),
+        "parallelism.tensor_parallel_degree: qwen3_moe's experts are not tensor-parallel; use 1",
+        env={"WORLD_SIZE": "2"},
+    ),
+    Case(
+        "MoE auxiliary loss under PP",
+        args("--model.name", "qwen3_moe", "--parallelism.pipeline_parallel_degree", "2"),
+        "moe.aux_loss_coef: qwen3_moe's auxiliary loss pools all layers' router statistics, which pipeline "
+        "stages hold apart; set it to 0 and balance with moe.bias_update_rate",
+        env={"WORLD_SIZE": "2"},
+    ),
+    Case(
+        "EP on a dense model",
+        args("--parallelism.expert_parallel_degree", "2"),
+        "parallelism.expert_parallel_degree: llama3 has no experts to split; use 1",
+        env={"WORLD_SIZE": "2"},
+    ),
+    Case(
+        "EP not dividing the experts",
+        args("--model.name", "qwen3_moe", "--parallelism.expert_parallel_degree", "3"),
+        "parallelism.expert_parallel_degree: 3 does not divide the 8 experts of qwen3_moe debugmodel",
+        env={"WORLD_SIZE": "3"},
+    ),
+    Case(
+        "EP not dividing the FSDP degree",
+        args("--model.name", "qwen3_moe", "--parallelism.expert_parallel_degree", "2"),
+        "parallelism.expert_parallel_degree: 2 does not divide data_parallel_shard_degree 3",
+        env={"WORLD_SIZE": "3"},
+    ),
+    Case(
+        "EP with selective op AC",
+        args(
+            "--model.name",
+            "qwen3_moe",
+            "--parallelism.expert_parallel_degree",
+            "2",
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective_ac_option",
+            "op",
+        ),
+        "activation_checkpoint.selective_ac_option: 'op' cannot recompute a block under expert parallelism",
+        env={"WORLD_SIZE": "2"},
+    ),
     # Validation data (checked before the first training step)
     Case(
         "missing validation dataset",

@@ -11,11 +11,11 @@ STEPS = ["--training.steps", "8", "--checkpoint.enable_checkpoint", "true", "--c
 # name: (processes, per-rank batch size, overrides); the global batch is 4 in every layout.
 LAYOUTS = {
     "single": (1, 4, []),
-    "hsdp2x2": (4, 1, ["--parallelism.data_parallel_replicate_degree", "2"]),
     "tp2": (2, 4, ["--parallelism.tensor_parallel_degree", "2"]),
 }
-# Pipeline parallelism resumes bit for bit in test_pipeline.py (ZBV, two model parts on a rank); FSDP 2
-# from an async checkpoint (and its checksum manifests) in test_qwen3_resume.py.
+# HSDP 2 x 2 resumes bit for bit in test_resume_on_other_layouts (whose checkpoint it writes); pipeline
+# parallelism in test_pipeline.py (ZBV, two model parts on a rank); FSDP 2 from an async checkpoint
+# (and its checksum manifests) in test_qwen3_resume.py.
 
 
 def check(result):
@@ -28,16 +28,24 @@ def resume_from_step_4(source, dump_folder, nproc, batch, *overrides):
     result = run_train(nproc, dump_folder, *STEPS, "--training.batch_size", str(batch), *overrides)
     check(result)
     assert "Loading model, optimizer, lr_scheduler, dataloader, train_state" in result.stdout
-    return result
+    assert "Resumed from step 4" in result.stdout
+    resumed = losses(dump_folder)
+    assert sorted(resumed) == [5, 6, 7, 8]
+    return resumed
+
+
+def straight_run(dump_folder, nproc, batch, *overrides):
+    """8 steps, saving at steps 4 and 8; its losses."""
+    check(run_train(nproc, dump_folder, *STEPS, "--training.batch_size", str(batch), *overrides))
+    straight = losses(dump_folder)
+    assert sorted(straight) == list(range(1, 9))
+    return straight
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_resume_is_bitwise(tmp_path, layout):
     nproc, batch, overrides = LAYOUTS[layout]
-    args = [*STEPS, "--training.batch_size", str(batch), *overrides]
-    check(run_train(nproc, tmp_path / "straight", *args))
-    straight = losses(tmp_path / "straight")
-    assert sorted(straight) == list(range(1, 9))
+    straight = straight_run(tmp_path / "straight", nproc, batch, *overrides)
 
     resumed_folder = tmp_path / "resumed"
     if layout == "single":
@@ -47,10 +55,7 @@ def test_resume_is_bitwise(tmp_path, layout):
         shutil.copytree(tmp_path / "straight" / "checkpoint" / "step-8", ckpt / "step-7")
         (ckpt / "step-7" / ".metadata").unlink()
         shutil.copytree(tmp_path / "straight" / "checkpoint" / "step-8", ckpt / "step-5.purging")
-    result = resume_from_step_4(tmp_path / "straight", resumed_folder, nproc, batch, *overrides)
-    assert "Resumed from step 4" in result.stdout
-    resumed = losses(resumed_folder)
-    assert sorted(resumed) == [5, 6, 7, 8]
+    resumed = resume_from_step_4(tmp_path / "straight", resumed_folder, nproc, batch, *overrides)
     for step, loss in resumed.items():
         assert loss == straight[step], (step, loss, straight[step])
     if layout == "single":
@@ -58,7 +63,9 @@ def test_resume_is_bitwise(tmp_path, layout):
         assert left == ["step-4", "step-7", "step-8"]
 
 
-# FSDP 4 -> FSDP 2 is test_qwen3_resume.py's (the resharding is the family's shared code).
+# The checkpoint is HSDP 2 x 2's. A checkpoint saved by FSDP 4 is resumed by FSDP 2 in
+# test_qwen3_resume.py (checkpointing and resharding are the model families' shared code).
+HSDP2X2 = ["--parallelism.data_parallel_replicate_degree", "2"]
 RESHARD_TARGETS = {
     "single": (1, 4, []),
     "tp2": (2, 4, ["--parallelism.tensor_parallel_degree", "2"]),
@@ -66,14 +73,15 @@ RESHARD_TARGETS = {
 
 
 def test_resume_on_other_layouts(tmp_path):
-    """Saved by FSDP over 4 ranks (batch 1 each), resumed by one process (batch 4) and by TP 2: the
-    optimizer state is resharded and the data stream goes on, so the losses continue those of the run
-    that never stopped."""
-    check(run_train(4, tmp_path / "fsdp4", *STEPS, "--training.batch_size", "1"))
-    straight = losses(tmp_path / "fsdp4")
+    """Saved by HSDP over 2 x 2 ranks (batch 1 each). Resumed by HSDP 2 x 2: the losses are those of
+    the run that never stopped, bit for bit. Resumed by one process (batch 4) and by TP 2: the
+    optimizer state is resharded and the data stream goes on, so the losses continue them within
+    1e-5."""
+    straight = straight_run(tmp_path / "hsdp2x2", 4, 1, *HSDP2X2)
+    resumed = resume_from_step_4(tmp_path / "hsdp2x2", tmp_path / "resumed", 4, 1, *HSDP2X2)
+    for step, loss in resumed.items():
+        assert loss == straight[step], (step, loss, straight[step])
     for name, (nproc, batch, overrides) in RESHARD_TARGETS.items():
-        resume_from_step_4(tmp_path / "fsdp4", tmp_path / name, nproc, batch, *overrides)
-        resumed = losses(tmp_path / name)
-        assert sorted(resumed) == [5, 6, 7, 8], name
+        resumed = resume_from_step_4(tmp_path / "hsdp2x2", tmp_path / name, nproc, batch, *overrides)
         for step, loss in resumed.items():
             assert abs(loss - straight[step]) < 1e-5, (name, step, loss, straight[step])

@@ -5,6 +5,7 @@ test_parity.py."""
 
 import collections
 import contextlib
+import gc
 from dataclasses import replace
 
 import pytest
@@ -17,20 +18,25 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchtitan.datasets.tokenizer
 import torchtitan.distributed
 from torchtitan.chunked_loss import chunked_cross_entropy
-from torchtitan.config_manager import JobConfig
+from torchtitan.config_manager import JobConfig, MoEConfig
 from torchtitan.config_parser import parse_args
 from torchtitan.config_rules import gradient_accumulation_steps
 from torchtitan.distributed import clip_grad_norm_
+from torchtitan.load_balance import LoadBalance
 from torchtitan.models.init import clean_fqn
 from torchtitan.models.llama import ModelArgs
 from torchtitan.models.llama.model import Transformer
+from torchtitan.models.moe import MoE
 from torchtitan.models.qwen3 import Qwen3ModelArgs
 from torchtitan.models.qwen3.model import Transformer as Qwen3Transformer
+from torchtitan.models.qwen3_moe import Qwen3MoeModelArgs
+from torchtitan.models.qwen3_moe.model import Transformer as Qwen3MoeTransformer
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.parallelize_llama import (
     apply_ac,
@@ -53,6 +59,21 @@ QWEN3_TINY = Qwen3ModelArgs(
     max_seq_len=16,
     tie_word_embeddings=True,
 )
+# Qwen3-MoE: 4 experts of which each token takes 2, both layers sparse.
+MOE_TINY = Qwen3MoeModelArgs(
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    hidden_dim=96,
+    vocab_size=128,
+    max_seq_len=16,
+    num_experts=4,
+    top_k=2,
+    moe_hidden_dim=32,
+)
+WORST_CASE_BIAS = [10.0, 10.0, 0.0, 0.0]  # every token to experts 0 and 1, both on EP rank 0
 SEED = 3
 
 # ---------------------------------------------------------------------------------------------
@@ -360,6 +381,25 @@ def _chunked_step_diffs(mesh, dims: ParallelDims, tokens: torch.Tensor, **parall
     return _max_over_ranks([(chunked_loss - loss).abs(), grad_diff, (chunked_evaluation - evaluation).abs()])
 
 
+def _moe_step(model: nn.Module, tokens: torch.Tensor, dp_mesh, worst_case: bool) -> tuple:
+    """One step's loss (the mean over the data-parallel ranks), auxiliary loss and full gradients of a
+    Qwen3-MoE, the auxiliary loss's statistics over `dp_mesh`'s ranks; `worst_case`: every token routed
+    to the experts of the first EP rank."""
+    if worst_case:
+        with torch.no_grad():
+            for moe in (m for m in model.modules() if isinstance(m, MoE)):
+                moe.expert_bias.copy_(torch.tensor(WORST_CASE_BIAS))
+    balance = LoadBalance([model], MoEConfig(), dp=dp_mesh, pp=None)
+    loss = _loss(model, tokens)
+    aux_loss = balance.aux_loss()
+    (loss + 0.001 * aux_loss).backward()
+    losses = torch.stack([loss.detach(), aux_loss.detach()])
+    if dp_mesh is not None:  # each rank's auxiliary loss has its own router probabilities
+        dist.all_reduce(losses, group=dp_mesh.get_group())
+        losses /= dp_mesh.size()
+    return *losses, {clean_fqn(n): _full(p.grad) for n, p in model.named_parameters()}
+
+
 def _mesh_worker(rank: int, world_size: int, tmp_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp_dir}/store", rank=rank, world_size=world_size)
@@ -414,6 +454,30 @@ def _mesh_worker(rank: int, world_size: int, tmp_dir: str) -> None:
         ):
             mesh = dims.build_mesh("cpu")
             results[f"chunked_{case}"] = _chunked_step_diffs(mesh, model_dims, batch, **parallelism)
+
+        # Qwen3-MoE with expert parallelism over 2 of 4 FSDP ranks (the experts FSDP-sharded over the
+        # other 2), each rank on its own sequence of the batch; and with every token routed to one rank.
+        dims = ParallelDims(dp_shard=4, ep=2, world_size=4)
+        mesh = dims.build_mesh("cpu")
+        config = _config(expert_parallel_degree=2)
+        config.model.name = "qwen3_moe"
+        moe_batch = torch.randint(0, MOE_TINY.vocab_size, (4, 17), generator=torch.Generator().manual_seed(2))
+        for case, worst_case in (("moe_ep", False), ("moe_ep_worst_case", True)):
+            # Worst case with every block's activations recomputed in backward (the all-to-alls too).
+            config.activation_checkpoint.mode = "full" if worst_case else "none"
+            model = _build(MOE_TINY, mesh, dims, config, Qwen3MoeTransformer)
+            results[f"{case}_placements"] = {
+                clean_fqn(n): tuple(p.placements) for n, p in model.named_parameters()
+            }
+            results[case] = _moe_step(model, moe_batch[rank : rank + 1], mesh["dp_shard"], worst_case)
+        # Further worst-case steps leave no tensor behind (the routing of each exchange is released).
+        live_tensors = []
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            _moe_step(model, moe_batch[rank : rank + 1], mesh["dp_shard"], worst_case=True)
+            gc.collect()
+            live_tensors.append(sum(torch.is_tensor(o) for o in gc.get_objects()))
+        results["moe_ep_live_tensors"] = live_tensors
 
         counter = _CountCollectives()
         batches = torch.randint(0, TINY.vocab_size, (2, 2, 17), generator=torch.Generator().manual_seed(rank))
@@ -523,3 +587,28 @@ def test_chunked_loss_step_equals_the_unfused_one(mesh_results, case):
     backward): the training step's loss, every gradient and the evaluation loss, chunked vs unfused."""
     loss_diff, grad_diff, evaluation_diff = mesh_results[f"chunked_{case}"]
     assert loss_diff <= 1e-6 and grad_diff <= 1e-6 and evaluation_diff <= 1e-6, (case, loss_diff, grad_diff)
+
+
+def test_expert_parallel_steps_leak_nothing(mesh_results):
+    first, *later = mesh_results["moe_ep_live_tensors"]
+    assert later == [first] * len(later), mesh_results["moe_ep_live_tensors"]
+
+
+@pytest.mark.parametrize("case", ["moe_ep", "moe_ep_worst_case"])
+def test_expert_parallel_step_matches_single_process(mesh_results, case):
+    """EP 2 on 4 FSDP ranks, each with a quarter of the batch: the loss, the auxiliary loss and every
+    weight's gradient, each expert's included, are those of one process on the whole batch (with the
+    expert gradients divided by the whole data-parallel degree, not by the ranks FSDP shards them over);
+    also when every token goes to the first EP rank's experts and the second receives none, with full
+    activation checkpointing."""
+    experts = "layers.0.feed_forward.experts.w1"
+    assert mesh_results["moe_ep_placements"][experts] == (_StridedShard(0, split_factor=2), Shard(0))
+    model = _build(MOE_TINY, None, None, None, Qwen3MoeTransformer)
+    moe_batch = torch.randint(0, MOE_TINY.vocab_size, (4, 17), generator=torch.Generator().manual_seed(2))
+    loss, aux_loss, grads = _moe_step(model, moe_batch, None, case == "moe_ep_worst_case")
+    ep_loss, ep_aux_loss, ep_grads = mesh_results[case]
+    torch.testing.assert_close(ep_loss, loss, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ep_aux_loss, aux_loss, rtol=0, atol=1e-6)
+    assert ep_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(ep_grads[name], grad, rtol=0, atol=1e-6, msg=name)

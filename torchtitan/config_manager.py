@@ -37,7 +37,7 @@ class ModelConfig:
     name: str = opt(
         "llama3",
         "Model family (docs/models.md); its spec is torchtitan/models/__init__.py's MODEL_SPECS entry",
-        choices=("llama2", "llama3", "qwen3"),
+        choices=("llama2", "llama3", "qwen3", "qwen3_moe"),
     )
     flavor: str = opt(
         "debugmodel",
@@ -177,6 +177,14 @@ class ParallelismConfig:
     tensor_parallel_degree: int = opt(
         1, "Tensor (and sequence) parallel degree; must divide the model's attention heads", min=1
     )
+    expert_parallel_degree: int = opt(
+        1,
+        "Expert-parallel degree: ranks a mixture-of-experts layer's experts are split over, borrowed from "
+        "data_parallel_shard_degree (which it must divide, as it must the experts); tokens go to their "
+        "experts' ranks and back by all-to-all, and the experts are FSDP-sharded over the rest "
+        "(docs/moe.md)",
+        min=1,
+    )
     enable_loss_parallel: bool = opt(
         True, "With TP, compute the loss on vocabulary-sharded logits instead of gathering them"
     )
@@ -304,6 +312,22 @@ class CommConfig:
 
 
 @dataclass
+class MoEConfig:
+    aux_loss_coef: float = opt(
+        0.001,
+        "Mixture-of-experts models: weight of the auxiliary load-balancing loss in the training loss "
+        "(Hugging Face's router_aux_loss_coef; Qwen3-MoE's is 0.001); 0: off (docs/moe.md)",
+        min=0.0,
+    )
+    bias_update_rate: float = opt(
+        0.0,
+        "Mixture-of-experts models: DeepSeek-V3's auxiliary-loss-free balancing, each optimizer step moves "
+        "every expert's routing bias by this much against its load (DeepSeek-V3: 0.001); 0: off",
+        min=0.0,
+    )
+
+
+@dataclass
 class Float8Config:
     enable_float8_linear: bool = opt(
         False,
@@ -346,6 +370,7 @@ class JobConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     float8: Float8Config = field(default_factory=Float8Config)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

@@ -8,7 +8,7 @@ raises a ConfigError naming the first bad option and the fix."""
 import math
 
 from torchtitan.config_manager import ConfigError, JobConfig, LRSchedulerConfig, TrainingConfig
-from torchtitan.models import flavor_args
+from torchtitan.models import flavor_args, model_spec
 from torchtitan.models.spec import ModelArgs
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline_layout import (
@@ -29,6 +29,7 @@ def parallel_dims_of(job_config: JobConfig, world_size: int) -> ParallelDims:
         tp=parallelism.tensor_parallel_degree,
         pp=parallelism.pipeline_parallel_degree,
         enable_loss_parallel=parallelism.enable_loss_parallel,
+        ep=parallelism.expert_parallel_degree,
     )
 
 
@@ -84,6 +85,48 @@ def check_tied_pipeline(job_config: JobConfig, model_args: ModelArgs) -> None:
             f"parallelism.pipeline_parallel_degree: {model.name} {model.flavor} ties its embeddings to the "
             "output layer, which the first and last pipeline stages cannot share; use "
             "pipeline_parallel_degree 1 or an untied flavor"
+        )
+
+
+def check_moe(job_config: JobConfig, parallel_dims: ParallelDims, model_args: ModelArgs) -> None:
+    """Expert parallelism splits a mixture-of-experts model's experts evenly; what such a model cannot run
+    with yet: its experts are not tensor-parallel, and its auxiliary loss pools the router statistics of
+    all layers, which pipeline stages hold apart."""
+    name = job_config.model.name
+    if not model_spec(job_config.model).moe:
+        if parallel_dims.ep_enabled:
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree: {name} has no experts to split; use 1 (or a "
+                "mixture-of-experts model.name such as qwen3_moe)"
+            )
+        return
+    if model_args.top_k > model_args.num_experts:
+        raise ConfigError(
+            f"model.flavor: {name} {job_config.model.flavor} routes each token to {model_args.top_k} of "
+            f"{model_args.num_experts} experts; top_k must be at most num_experts"
+        )
+    ac = job_config.activation_checkpoint
+    if parallel_dims.ep_enabled and ac.mode == "selective" and ac.selective_ac_option == "op":
+        raise ConfigError(
+            "activation_checkpoint.selective_ac_option: 'op' cannot recompute a block under expert "
+            "parallelism yet (its experts' FSDP unit gathers again inside the recompute); use a block "
+            "interval such as 2, or activation_checkpoint.mode full"
+        )
+    if model_args.num_experts % parallel_dims.ep:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree: {parallel_dims.ep} does not divide the "
+            f"{model_args.num_experts} experts of {name} {job_config.model.flavor}; choose a divisor"
+        )
+    if parallel_dims.tp_enabled:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree: {name}'s experts are not tensor-parallel; use 1 (shard "
+            "the model with data_parallel_shard_degree or pipeline_parallel_degree)"
+        )
+    if parallel_dims.pp_enabled and job_config.moe.aux_loss_coef:
+        raise ConfigError(
+            f"moe.aux_loss_coef: {name}'s auxiliary loss pools all layers' router statistics, which "
+            "pipeline stages hold apart; set it to 0 and balance with moe.bias_update_rate (e.g. 0.001), "
+            "or use pipeline_parallel_degree 1"
         )
 
 
@@ -251,6 +294,7 @@ def check_layout(
     parallel_dims = parallel_dims_of(job_config, world_size)
     model_args = flavor_args(job_config.model)
     check_parallelism(job_config, parallel_dims, model_args)
+    check_moe(job_config, parallel_dims, model_args)
     if parallel_dims.pp_enabled:
         check_tied_pipeline(job_config, model_args)
         check_pipeline(job_config, model_args.n_layers)

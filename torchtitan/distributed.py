@@ -77,16 +77,26 @@ def clip_grad_norm_(
     fp32 over a large tensor (and differently per shard size), so on CPU the sum runs in float64.
     With `pp_mesh`, each pipeline rank holds the gradients of its stages only: the squared norms
     are summed over it."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    accumulate_dtype = torch.float64 if grads[0].device.type == "cpu" else None
-    norms = torch._foreach_norm(grads, 2.0, dtype=accumulate_dtype)
-    total_norm = torch.linalg.vector_norm(torch.stack(norms))
-    if isinstance(total_norm, DTensor):
-        total_norm = total_norm.full_tensor()
+    device = next(p.grad.device for p in parameters if p.grad is not None)
+    accumulate_dtype = torch.float64 if device.type == "cpu" else None
+    # DTensors on different meshes (experts under expert parallelism) cannot be stacked together:
+    # a norm per mesh, then the norm of those.
+    by_mesh: dict[DeviceMesh | None, list[torch.nn.Parameter]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    mesh_norms = []
+    for mesh_params in by_mesh.values():
+        norms = torch._foreach_norm([p.grad for p in mesh_params], 2.0, dtype=accumulate_dtype)
+        norm = torch.linalg.vector_norm(torch.stack(norms))
+        mesh_norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+    total_norm = mesh_norms[0] if len(mesh_norms) == 1 else torch.linalg.vector_norm(torch.stack(mesh_norms))
     if pp_mesh is not None:
         total_norm = total_norm**2
         dist.all_reduce(total_norm, group=pp_mesh.get_group())
         total_norm = total_norm.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)
+        for mesh_params in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(mesh_params, max_norm, total_norm, foreach=True)
     return total_norm

@@ -172,9 +172,11 @@ class MetricLogger:
         lr: float,
         skipped_steps: int,
         source_tokens: dict[str, int] | None = None,
+        moe: dict[str, float] | None = None,
     ) -> None:
         """Log the window that ends at `step`; `skipped_steps` counts the steps so far whose
-        non-finite gradients were dropped; `source_tokens`: a mixture's tokens per source so far."""
+        non-finite gradients were dropped; `source_tokens`: a mixture's tokens per source so far; `moe`:
+        a mixture-of-experts model's `expert_load` and `aux_loss` of the step (torchtitan/load_balance.py)."""
         now = time.perf_counter()
         step_time, steps = now - self._window_start, max(self._window_steps, 1)
         tps = self.tokens_per_step * self._window_steps / step_time if step_time > 0 else 0.0
@@ -198,6 +200,7 @@ class MetricLogger:
         }
         if source_tokens is not None:
             record["source_tokens"] = source_tokens
+        record.update(moe or {})
         if self.is_logging_rank:
             self._write(record, mfu, eta)
         self._window_start, self._window_steps, self._data_time = time.perf_counter(), 0, 0.0
@@ -209,7 +212,9 @@ class MetricLogger:
             f"{c.cyan}step: {record['step']:>{len(str(self.total_steps))}}/{self.total_steps}  "
             f"{c.green}loss: {record['loss']:7.4f}  "
             f"{c.yellow}grad_norm: {record['grad_norm']:7.4f}  "
-            f"{c.gray}lr: {record['lr']:.2e}  "
+            + (f"aux_loss: {record['aux_loss']:.4f}  " if "aux_loss" in record else "")
+            + (f"expert_load: {record['expert_load']:.2f}  " if "expert_load" in record else "")
+            + f"{c.gray}lr: {record['lr']:.2e}  "
             f"{c.blue}tps: {record['tps']:,.0f}  "
             f"{c.magenta}mfu: {mfu_text}  "
             f"{c.yellow}memory: {record['memory_gib']:.2f}GiB({record['memory_pct']:.1f}%)  "

@@ -15,6 +15,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan.chunked_loss import chunked_cross_entropy
 from torchtitan.config_manager import JobConfig, TrainingConfig
 from torchtitan.config_rules import gradient_accumulation_steps
+from torchtitan.load_balance import LoadBalance
 from torchtitan.parallelisms.float8 import convert_to_float8
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.parallelize_llama import DTYPES, parallelize_llama, set_grad_all_reduce
@@ -83,8 +84,12 @@ class TrainStep:
         parallel_dims: ParallelDims,
         training_config: TrainingConfig,
         device: torch.device,
+        load_balance: LoadBalance | None = None,
     ) -> None:
         self.model_parts = model_parts
+        # A mixture-of-experts model's auxiliary loss joins each micro-batch's training loss.
+        self.aux_loss_coef = load_balance.aux_loss_coef if load_balance is not None else 0.0
+        self.load_balance = load_balance
         self.pipeline = pipeline
         self.device = device
         self.grad_accum_steps = gradient_accumulation_steps(training_config, parallel_dims)
@@ -105,7 +110,8 @@ class TrainStep:
 
     def forward_backward(self, batches: Iterator[Batch], microbatches: int | None = None) -> torch.Tensor:
         """Run the step's micro-batches (`microbatches`, default the accumulation steps) from `batches`;
-        their mean loss, 0 on pipeline ranks without the last stage (sum it over the pipeline)."""
+        their mean loss (the language-model loss, without an auxiliary loss), 0 on pipeline ranks without
+        the last stage (sum it over the pipeline)."""
         microbatches = microbatches or self.grad_accum_steps
         losses = []
         for microbatch in range(microbatches):
@@ -128,7 +134,8 @@ class TrainStep:
         self, inputs: torch.Tensor, labels: torch.Tensor, microbatches: int
     ) -> torch.Tensor:
         loss = self._model_loss(inputs, labels)
-        (loss / microbatches).backward()
+        objective = loss + self.aux_loss_coef * self.load_balance.aux_loss() if self.aux_loss_coef else loss
+        (objective / microbatches).backward()
         return loss
 
     def _model_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ from dataclasses import replace
 from torchtitan.config_manager import ConfigError, JobConfig, ModelConfig
 from torchtitan.models.llama import llama2_configs, llama3_configs
 from torchtitan.models.qwen3 import qwen3_configs
+from torchtitan.models.qwen3_moe import moe_flops_per_token, qwen3_moe_configs
 from torchtitan.models.spec import ModelArgs, ModelSpec
 
 
@@ -32,6 +33,16 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         tp_plan="torchtitan.parallelisms.qwen3:qwen3_block_plan",
         hf_adapter="torchtitan.models.qwen3.hf_convert",
         hf_architecture="Qwen3ForCausalLM",
+    ),
+    "qwen3_moe": ModelSpec(
+        name="qwen3_moe",
+        flavors=qwen3_moe_configs,
+        model="torchtitan.models.qwen3_moe.model:Transformer",
+        tp_plan="torchtitan.parallelisms.qwen3:qwen3_block_plan",
+        hf_adapter="torchtitan.models.qwen3_moe.hf_convert",
+        hf_architecture="Qwen3MoeForCausalLM",
+        flops_per_token=moe_flops_per_token,
+        moe=True,
     ),
 }
 

@@ -69,9 +69,10 @@ def decoder_config(
     """The config.json keys every family here shares. Sizes are read from our state dict (the vocabulary
     as padded), the rest from `model_args` (which also has `norm_eps` and `rope_theta`)."""
     vocab_size, dim = state_dict["tok_embeddings.weight"].shape
+    dense_mlp = state_dict.get("layers.0.feed_forward.w1.weight")  # None where layer 0 holds experts
     return {
         "hidden_size": dim,
-        "intermediate_size": state_dict["layers.0.feed_forward.w1.weight"].shape[0],
+        "intermediate_size": dense_mlp.shape[0] if dense_mlp is not None else None,
         "num_hidden_layers": len({k.split(".")[1] for k in state_dict if k.startswith("layers.")}),
         "num_attention_heads": model_args.n_heads,
         "num_key_value_heads": model_args.n_kv_heads or model_args.n_heads,

@@ -74,6 +74,8 @@ class ModelSpec:
     hf_architecture: str  # transformers' class name, written to config.json
     # (model arguments, the parameters a token's matmuls use, seq_len) -> training FLOPs per token, for MFU.
     flops_per_token: Callable[[ModelArgs, int, int], int] = dense_flops_per_token
+    # Mixture-of-experts feed-forwards (torchtitan/models/moe.py): the loop balances their experts.
+    moe: bool = False
 
     def build(self, model_args: ModelArgs) -> Any:
         """The family's model (an nn.Module) for `model_args`, on the current default device."""

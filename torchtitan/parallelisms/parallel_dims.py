@@ -35,12 +35,14 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     enable_loss_parallel: bool = False
+    ep: int = 1  # expert-parallel ranks, borrowed from dp_shard
 
     def __post_init__(self) -> None:
         fixed = {
             "data_parallel_replicate_degree": self.dp_replicate,
             "tensor_parallel_degree": self.tp,
             "pipeline_parallel_degree": self.pp,
+            "expert_parallel_degree": self.ep,
         }
         for name, degree in fixed.items():
             if degree < 1:
@@ -67,6 +69,11 @@ class ParallelDims:
                 f"{self.tp} x pipeline_parallel_degree {self.pp}) but the world size is {self.world_size}; "
                 "set parallelism.data_parallel_shard_degree = -1 or change NGPU"
             )
+        if self.dp_shard % self.ep:
+            raise ConfigError(
+                f"parallelism.expert_parallel_degree: {self.ep} does not divide data_parallel_shard_degree "
+                f"{self.dp_shard}, whose ranks it splits the experts over; choose a divisor of it"
+            )
 
     @property
     def dp_enabled(self) -> bool:
@@ -89,6 +96,10 @@ class ParallelDims:
         return self.pp > 1
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
     def loss_parallel_enabled(self) -> bool:
         return self.tp_enabled and self.enable_loss_parallel
 
@@ -98,26 +109,35 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """A mesh with one named dimension per enabled degree (outermost pp, innermost tp), plus a
-        flattened "dp" dimension for the data loader and loss averaging."""
+        flattened "dp" dimension for the data loader and loss averaging. With expert parallelism
+        dp_shard is two dimensions, "dp_shard_mod_ep" (kept even at size 1: the experts' FSDP) and
+        "ep", flattened into "dp_shard"."""
+        shard = [("dp_shard_mod_ep", self.dp_shard // self.ep), ("ep", self.ep)]
         dims = [
             (n, d)
             for n, d in (
                 ("pp", self.pp),
                 ("dp_replicate", self.dp_replicate),
-                ("dp_shard", self.dp_shard),
+                *(shard if self.ep_enabled else [("dp_shard", self.dp_shard)]),
                 ("tp", self.tp),
             )
-            if d > 1
+            if d > 1 or n == "dp_shard_mod_ep"
         ]
         if not dims:
             dims = [("dp_shard", 1)]
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device_type, [d for _, d in dims], mesh_dim_names=[n for n, _ in dims])
-        dp_names = [n for n, _ in dims if n.startswith("dp_")]
-        if len(dp_names) == 2:
+        if self.ep_enabled:
+            mesh[("dp_shard_mod_ep", "ep")]._flatten("dp_shard")
+        dp_names = [n for n, _ in dims if n.startswith("dp_") or n == "ep"]
+        if self.dp_replicate_enabled and self.dp_shard_enabled:
             mesh[tuple(dp_names)]._flatten("dp")
         return mesh
+
+    def expert_fsdp_mesh_names(self) -> tuple[str, ...]:
+        """The mesh dimensions the experts are FSDP-sharded (and replicated) over under EP."""
+        return ("dp_replicate", "dp_shard_mod_ep") if self.dp_replicate_enabled else ("dp_shard_mod_ep",)
 
     def build_meshes(self, device_type: str) -> Meshes:
         """The world mesh (None on one process) and its data-parallel and pipeline dimensions."""

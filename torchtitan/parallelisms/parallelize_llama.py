@@ -26,6 +26,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from torchtitan.config_manager import JobConfig
 from torchtitan.models import model_spec
+from torchtitan.models.moe import MoE
+from torchtitan.parallelisms.expert_parallel import apply_ep, expert_modules
 from torchtitan.parallelisms.float8 import float8_tensorwise_tp, tp_styles
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 
@@ -45,6 +47,8 @@ def parallelize_llama(
             float8_tensorwise=float8_tensorwise_tp(job_config),
             block_plan=model_spec(job_config.model).block_tp_plan(),
         )
+    if parallel_dims.ep_enabled:
+        apply_ep(model, world_mesh["ep"])
     ac = job_config.activation_checkpoint
     if ac.mode != "none":
         apply_ac(model, ac.mode, ac.selective_ac_option)
@@ -72,6 +76,9 @@ def parallelize_llama(
             backward_prefetch=par.fsdp_backward_prefetch,
             # The chunked loss reads the output projection's weight after the root's forward.
             keep_root_after_forward=job_config.training.loss_chunk_tokens > 0,
+            expert_mesh=world_mesh[parallel_dims.expert_fsdp_mesh_names()]
+            if parallel_dims.ep_enabled
+            else None,
         )
     elif parallel_dims.dp_replicate_enabled:
         apply_ddp(model, world_mesh["dp_replicate"], mp_policy)
@@ -153,6 +160,8 @@ _SAVE_LIST = {
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    # Expert parallelism's token exchange: recomputing it would repeat the all-to-all.
+    torch.ops._c10d_functional.all_to_all_single.default,
 }
 
 
@@ -193,9 +202,11 @@ def apply_ac(model: nn.Module, mode: str, selective_ac_option: str) -> None:
 
 def apply_compile(model: nn.Module) -> None:
     """Compile each block separately: blocks are identical, so one graph serves them all, and FSDP's
-    hooks stay outside the compiled code."""
+    hooks stay outside the compiled code. A mixture-of-experts block is compiled around its expert
+    dispatch, whose shapes depend on the routing (MoE.run_experts)."""
     for layer_id, block in model.layers.named_children():
-        model.layers.register_module(layer_id, torch.compile(block, fullgraph=True))
+        fullgraph = not any(isinstance(m, MoE) for m in block.modules())
+        model.layers.register_module(layer_id, torch.compile(block, fullgraph=fullgraph))
 
 
 def apply_fsdp(
@@ -206,8 +217,14 @@ def apply_fsdp(
     forward_prefetch: int = 0,
     backward_prefetch: int = 0,
     keep_root_after_forward: bool = False,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """FSDP2: shard each transformer block, then the root (embeddings, final norm, output).
+
+    Under expert parallelism (`expert_mesh`: the data-parallel dimensions EP leaves) a block's experts
+    are sharded over `expert_mesh` first, as a unit of their own. Their gradients arrive summed over
+    the EP ranks' tokens by the all-to-all, so FSDP divides them by the whole data-parallel degree
+    rather than by its own mesh's size: the mean over every rank's batch, as for the other weights.
 
     `reshard_after_forward="all_but_last"` keeps the last block gathered: backward starts with it,
     so gathering it again right away would be wasted communication (FSDP never reshards the root
@@ -217,6 +234,12 @@ def apply_fsdp(
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         reshard = i < len(blocks) - 1 if reshard_after_forward == "all_but_last" else reshard_after_forward
+        for experts in expert_modules(block) if expert_mesh is not None else []:
+            fully_shard(experts, mesh=expert_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+            experts.set_gradient_divide_factor(float(dp_mesh.size()))
+            # Reduce-scatter a sum, then divide (gloo has no pre-multiplied sum). Not over one rank,
+            # where torch 2.13 would then divide twice.
+            experts.set_force_sum_reduction_for_comms(expert_mesh.size(expert_mesh.ndim - 1) > 1)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
     root_reshard = None if reshard_after_forward == "all_but_last" else reshard_after_forward
     root_reshard = False if keep_root_after_forward else root_reshard

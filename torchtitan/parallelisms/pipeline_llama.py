@@ -10,6 +10,7 @@ import copy
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -58,6 +59,22 @@ def split_model(model: nn.Module, layers: range, is_first: bool, is_last: bool) 
     return stage
 
 
+class _Stage(PipelineStage):
+    """torch's PipelineStage whose first-step shape inference, a real forward (and backward) on the
+    first micro-batch or on uninitialised tensors, leaves the model's buffers as they were: a
+    mixture-of-experts layer counts the tokens its experts take in one (torchtitan/models/moe.py)."""
+
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        saved = [(buffer, buffer.clone()) for buffer in self.submod.buffers()]
+        try:
+            return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            with torch.no_grad():  # only those it changed: autograd saved the others (RoPE's) as they are
+                for buffer, value in saved:
+                    if not torch.equal(buffer, value):
+                        buffer.copy_(value)
+
+
 def pipeline_llama(
     model: nn.Module,
     world_mesh: DeviceMesh,
@@ -86,9 +103,7 @@ def pipeline_llama(
         part = split_model(model, layers[stage_id], is_first, is_last)
         part = parallelize_llama(part, world_mesh, parallel_dims, job_config)
         inputs, outputs = stage_io(stage_id) if stage_io else (None, None)
-        stages.append(
-            PipelineStage(part, stage_id, len(layers), device, inputs, outputs, group=pp_mesh.get_group())
-        )
+        stages.append(_Stage(part, stage_id, len(layers), device, inputs, outputs, group=pp_mesh.get_group()))
         model_parts.append(part)
 
     last_stage = model_parts[ids.index(len(layers) - 1)] if len(layers) - 1 in ids else None

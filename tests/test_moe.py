@@ -1,0 +1,179 @@
+"""The mixture-of-experts feed-forward (torchtitan/models/moe.py), Qwen3-MoE against transformers'
+Qwen3MoeForCausalLM, its Hugging Face conversion and the balancing (torchtitan/load_balance.py) on one
+process. Layouts are test_parity.py's, resume test_moe_resume.py's."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from scripts import convert_dcp_to_hf, convert_hf_to_dcp
+from torchtitan.checkpoint import read_model_weights
+from torchtitan.config_manager import MoEConfig
+from torchtitan.load_balance import LoadBalance
+from torchtitan.models import MODEL_SPECS
+from torchtitan.models.moe import MoE
+from torchtitan.models.qwen3_moe import moe_flops_per_token, qwen3_moe_configs
+from torchtitan.models.spec import flops_per_token
+
+ARGS = replace(qwen3_moe_configs["debugmodel"], vocab_size=300, max_seq_len=32)
+
+
+def routed_by_hand(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Each token through each of its chosen experts on its own, weighted: what MoE.forward computes."""
+    tokens = x.reshape(-1, x.shape[-1])
+    _, experts, weights = moe.route(tokens)
+    ex = moe.experts
+    rows = []
+    for token, chosen, w in zip(tokens, experts, weights):
+        out = torch.zeros_like(token)
+        for e, we in zip(chosen.tolist(), w):
+            out = out + we * (ex.w2[e] @ (F.silu(ex.w1[e] @ token) * (ex.w3[e] @ token)))
+        rows.append(out)
+    return torch.stack(rows).view_as(x)
+
+
+def moe_layer(**kwargs) -> MoE:
+    moe = MoE(dim=16, hidden_dim=24, num_experts=4, top_k=2, **kwargs)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0.0, 0.3)
+        moe.expert_bias.zero_()
+        moe.tokens_per_expert.zero_()
+    return moe
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_experts_compute_what_each_token_asks(score_func):
+    moe = moe_layer(score_func=score_func, shared_hidden_dim=8)
+    x = torch.randn(2, 10, 16)
+    expected = routed_by_hand(moe, x) + moe.shared_expert(x)
+    torch.testing.assert_close(moe(x), expected, rtol=0, atol=1e-5)
+    _, _, weights = moe.route(x.view(-1, 16))
+    torch.testing.assert_close(weights.sum(-1), torch.ones(20))  # norm_topk_prob
+
+
+def test_worst_case_routing_is_exact_and_the_bias_only_chooses():
+    """A bias that sends every token to experts 2 and 3: the others get no rows, the weights are still
+    the router's scores, and the result is each token's own computation."""
+    moe = moe_layer(norm_topk_prob=False)
+    x = torch.randn(2, 10, 16)
+    with torch.no_grad():
+        moe.expert_bias.copy_(torch.tensor([0.0, 0.0, 10.0, 10.0]))
+    probs, experts, weights = moe.route(x.view(-1, 16))
+    assert experts.sort(-1).values.tolist() == [[2, 3]] * 20
+    torch.testing.assert_close(weights, probs.gather(-1, experts))  # no bias in the weights
+    out = moe(x)
+    torch.testing.assert_close(out, routed_by_hand(moe, x), rtol=0, atol=1e-5)
+    assert moe.tokens_per_expert.tolist() == [0, 0, 20, 20]
+
+
+def test_activation_recompute_counts_tokens_once():
+    """Full activation checkpointing runs the forward again in backward: the tokens are counted once."""
+    from torch.utils.checkpoint import checkpoint
+
+    moe = moe_layer()
+    moe.keep_router_stats = True
+    x = torch.randn(2, 10, 16, requires_grad=True)
+    checkpoint(moe, x, use_reentrant=False).sum().backward()
+    assert moe.tokens_per_expert.sum().item() == 20 * 2
+    assert moe.router_stats[0].sum().item() == 20 * 2
+
+
+def test_flops_count_the_active_experts_only():
+    model = MODEL_SPECS["qwen3_moe"].build(ARGS)
+    num_params = model.num_params(exclude_embedding=True)
+    idle = 3 * (8 - 2) * 3 * 256 * 256  # 3 sparse layers, 6 idle experts of 3 matrices each
+    assert moe_flops_per_token(ARGS, num_params, 32) == flops_per_token(num_params - idle, 4, 4, 32, 32)
+
+
+def hf_moe_model(transformers, args, tied: bool = False):
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=args.vocab_size, hidden_size=args.dim, num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads, head_dim=args.head_dim,
+        intermediate_size=args.hidden_dim, moe_intermediate_size=args.moe_hidden_dim,
+        num_experts=args.num_experts, num_experts_per_tok=args.top_k, norm_topk_prob=args.norm_topk_prob,
+        decoder_sparse_step=args.decoder_sparse_step, mlp_only_layers=list(args.mlp_only_layers),
+        rms_norm_eps=args.norm_eps, rope_theta=args.rope_theta, tie_word_embeddings=tied,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf_model = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in hf_model.parameters():  # the norms and the router too
+            p.normal_(0.0, 0.1 if p.ndim > 1 else 1.0)
+    return hf_model
+
+
+def test_from_hf_matches_transformers_and_round_trips_bit_exact(tmp_path):
+    """A random transformers Qwen3MoeForCausalLM saved in the Hub's per-expert layout -> DCP -> ours: the
+    same logits and auxiliary loss; -> HF again: the same files."""
+    transformers = pytest.importorskip("transformers")
+    hf_model = hf_moe_model(transformers, ARGS)
+    hf_model.save_pretrained(tmp_path / "hf")
+    hf_weights = load_file(tmp_path / "hf" / "model.safetensors")
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in hf_weights
+    assert "model.layers.0.mlp.gate_proj.weight" in hf_weights  # the dense layer (mlp_only_layers)
+
+    convert_hf_to_dcp.convert(str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    weights = read_model_weights(str(tmp_path / "dcp"))
+    model = MODEL_SPECS["qwen3_moe"].build(ARGS)
+    assert weights.keys() == model.state_dict().keys()
+    model.load_state_dict(weights)
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = hf_model(tokens, output_router_logits=True)
+    balance = LoadBalance([model], MoEConfig(), dp=None, pp=None)  # keeps the router statistics
+    logits = model(tokens)  # a training forward
+    aux_loss = balance.aux_loss()
+    assert (logits - theirs.logits).abs().max() < 1e-5
+    assert abs(aux_loss.item() - theirs.aux_loss.item()) < 1e-6
+
+    convert_dcp_to_hf.convert(str(tmp_path / "dcp"), str(tmp_path / "back"), ARGS, name="qwen3_moe")
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert back.keys() == hf_weights.keys()
+    for name, w in hf_weights.items():
+        assert torch.equal(back[name], w), name
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, theirs.logits)
+
+
+def test_to_hf_refuses_a_routing_bias_unless_dropped(tmp_path, capsys):
+    """The balancing bias has no place in HF's model: exporting a non-zero one is one line and exit 2
+    (nothing written), and --drop-expert-bias exports the rest."""
+    import torch.distributed.checkpoint as dcp
+
+    model = MODEL_SPECS["qwen3_moe"].build(ARGS)
+    model.init_weights(seed=0)
+    with torch.no_grad():
+        model.layers["2"].feed_forward.expert_bias[3] = 0.01
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "step-1"))
+    argv = [str(tmp_path / "step-1"), str(tmp_path / "hf"), "--name", "qwen3_moe"]
+    assert convert_dcp_to_hf.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --drop-expert-bias: ") and "\n" not in err, err
+    assert not (tmp_path / "hf").exists()
+    assert convert_dcp_to_hf.main([*argv, "--drop-expert-bias"]) == 0
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert not any("bias" in name for name in exported)
+
+
+def test_bias_balancing_moves_against_the_load():
+    """After a step, an overloaded expert's bias goes down by the rate and an idle one's up; the counts
+    start again from zero."""
+    model = MODEL_SPECS["qwen3_moe"].build(ARGS)
+    model.init_weights(seed=0)
+    balance = LoadBalance([model], MoEConfig(aux_loss_coef=0.0, bias_update_rate=0.01), dp=None, pp=None)
+    layer = model.layers["1"].feed_forward
+    model(torch.randint(0, ARGS.vocab_size, (2, 16)))
+    with torch.no_grad():  # a forward without gradients (a pipeline's shape inference) does not count
+        model(torch.randint(0, ARGS.vocab_size, (2, 16)))
+    load = layer.tokens_per_expert.clone()
+    metrics = balance.step_done()
+    expected = 0.01 * torch.sign(load.mean() - load)
+    assert torch.equal(layer.expert_bias, expected)
+    assert load.sum() == 2 * 16 * 2 and layer.tokens_per_expert.sum() == 0
+    assert "aux_loss" not in metrics and metrics["expert_load"] >= 1.0

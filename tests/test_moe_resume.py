@@ -1,0 +1,85 @@
+"""Qwen3-MoE resumes exactly across expert-parallel layouts, its routing biases and their history with
+it (both balancing methods on): saved by one process and resumed on EP 2 within 1e-5 of the run that
+never stopped (the biases within 1e-6), EP 2 killed with SIGKILL and relaunched bit for bit (biases and
+optimizer state included), and EP 2's checkpoint resumed by one process within 1e-5. Parity with one
+process on every layout is test_parity.py's and scripts/parity_matrix.py's."""
+
+import shutil
+import signal
+import time
+
+import torch
+from launch import read_metrics, run_train
+
+from scripts import chaos
+from scripts.parity_matrix import QWEN3_MOE, ep
+from torchtitan.checkpoint import read_model_weights
+
+MOE = [*QWEN3_MOE, "--moe.bias_update_rate", "0.01", "--validation.enable", "false"]
+STEPS = ["--training.steps", "8", "--checkpoint.enable_checkpoint", "true", *MOE]
+EP2 = [*ep(2), "--training.batch_size", "2", "--checkpoint.interval", "2"]
+ONE = ["--training.batch_size", "4", "--checkpoint.interval", "4"]
+
+
+def check(result):
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def biases(step_dir) -> dict[str, torch.Tensor]:
+    weights = read_model_weights(str(step_dir))
+    found = {name: w for name, w in weights.items() if name.endswith("expert_bias")}
+    assert sorted(found) == [f"layers.{i}.feed_forward.expert_bias" for i in (1, 2, 3)]
+    return found
+
+
+def copy_step(source, step, dump_folder):
+    name = f"step-{step}"
+    shutil.copytree(source / "checkpoint" / name, dump_folder / "checkpoint" / name)
+
+
+def assert_close(resumed: dict, straight: dict) -> None:
+    for step, metrics in resumed.items():
+        for key in ("loss", "grad_norm", "aux_loss", "expert_load"):
+            assert abs(metrics[key] - straight[step][key]) < 1e-5, (step, key, metrics, straight[step])
+
+
+def test_moe_resumes_across_expert_parallel_layouts_and_after_sigkill(tmp_path):
+    single, ep2, killed, back = (tmp_path / name for name in ("single", "ep2", "killed", "back"))
+    check(run_train(1, single, *STEPS, *ONE))
+    straight = {m["step"]: m for m in read_metrics(single)}
+    assert sorted(straight) == list(range(1, 9))
+    assert all(b.abs().sum() > 0 for b in biases(single / "checkpoint" / "step-4").values())
+
+    # EP 1 -> EP 2.
+    copy_step(single, 4, ep2)
+    result = run_train(2, ep2, *STEPS, *EP2)
+    check(result)
+    assert "Resumed from step 4" in result.stdout
+    resumed = {m["step"]: m for m in read_metrics(ep2)}
+    assert sorted(resumed) == [5, 6, 7, 8]
+    assert_close(resumed, straight)
+    ep2_biases = biases(ep2 / "checkpoint" / "step-8")
+    for name, bias in biases(single / "checkpoint" / "step-8").items():
+        torch.testing.assert_close(ep2_biases[name], bias, rtol=0, atol=1e-6)
+
+    # EP 2 killed once step 6 is saved, relaunched: EP 2's losses and biases, bit for bit.
+    copy_step(single, 4, killed)
+    job = chaos.Job(2, killed, *chaos.JOB, *MOE, *ep(2))
+    deadline = time.monotonic() + 300
+    while "step-6" not in chaos.complete_checkpoints(killed):
+        assert job.running() and time.monotonic() < deadline, job.output(0)[-3000:]
+        time.sleep(0.01)
+    job.signal([0, 1], signal.SIGKILL)
+    assert job.wait(30) == [-signal.SIGKILL] * 2
+    relaunch = chaos.run_to_end(2, killed, *MOE, *ep(2))
+    assert "Resumed from step 6" in relaunch.output(0)
+    logged = chaos.losses(killed)  # both launches'
+    assert sorted({step for step, _ in logged}) == [5, 6, 7, 8]
+    assert [loss for _, loss in logged] == [resumed[step]["loss"] for step, _ in logged]
+    for name, bias in biases(killed / "checkpoint" / "step-8").items():
+        assert torch.equal(bias, ep2_biases[name]), name
+
+    # EP 2 -> EP 1.
+    copy_step(ep2, 6, back)
+    check(run_train(1, back, *STEPS, *ONE))
+    assert_close({m["step"]: m for m in read_metrics(back)}, straight)

@@ -1,0 +1,135 @@
+"""The mixture-of-experts feed-forward any family can use in place of its SwiGLU MLP.
+
+A router scores each token against every expert (in float32, whatever the parameter dtype), the
+top-k experts (chosen on the scores plus a balancing bias) each run a SwiGLU on it, and the token's
+output is their outputs weighted by its scores for them, plus an optional always-on shared expert.
+
+Two ways to keep the experts evenly loaded, each optional (torchtitan/load_balance.py runs them):
+- the auxiliary loss of the Switch Transformer as transformers' Qwen3-MoE computes it: each forward
+  keeps, per layer, how many tokens went to each expert and the sum of their router probabilities;
+- DeepSeek-V3's auxiliary-loss-free bias (`expert_bias`, a buffer saved in checkpoints): added to the
+  scores for choosing the experts only, and moved after each optimizer step against the load counted
+  in `tokens_per_expert`.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from torchtitan.models.init import trunc_normal_
+from torchtitan.models.llama.model import FeedForward
+
+
+def _training_forward() -> bool:
+    """Whether this forward is one whose tokens count: not activation checkpointing's recompute (run
+    inside backward), nor a forward without gradients (a pipeline stage's shape inference)."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+
+
+class GroupedExperts(nn.Module):
+    """`num_experts` SwiGLU MLPs held as 3-D weights [experts, out, in] (each expert's slice is the
+    Hugging Face expert's Linear weight), run on the tokens routed to each."""
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def init_weights(self, init_std: float) -> None:
+        trunc_normal_(self.w1, std=0.02)
+        trunc_normal_(self.w2, std=init_std)
+        trunc_normal_(self.w3, std=init_std)
+
+    def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        """x: (tokens, dim), sorted by expert, `tokens_per_expert[e]` rows for expert e (of the experts
+        held here). One matmul per expert, in the parameters' dtype: the same sums on every device.
+        Under expert parallelism the weights are this rank's shard of a DTensor (its experts)."""
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        outputs = []
+        for e, rows in enumerate(torch.split(x, tokens_per_expert)):
+            h = F.silu(rows @ w1[e].transpose(0, 1)) * (rows @ w3[e].transpose(0, 1))
+            outputs.append(h @ w2[e].transpose(0, 1))
+        return torch.cat(outputs)
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts (and an optional shared expert); input and output (bs, seqlen, dim).
+
+    `score_func`: "softmax" (Qwen3-MoE, Mixtral) or "sigmoid" (DeepSeek-V3) router scores;
+    `norm_topk_prob`: a token's top-k weights are rescaled to sum to 1."""
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        top_k: int,
+        score_func: str = "softmax",
+        norm_topk_prob: bool = True,
+        shared_hidden_dim: int = 0,
+    ):
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.score_func, self.norm_topk_prob = score_func, norm_topk_prob
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts)
+        self.shared_expert = FeedForward(dim, shared_hidden_dim) if shared_hidden_dim else None
+        # DeepSeek-V3's balancing bias, and the tokens each expert took since the last update.
+        self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+        # With `keep_router_stats`, the last training forward's (assignments per expert, sum of router
+        # probabilities per expert, tokens): the auxiliary loss's statistics, the second carrying the
+        # router's gradient (and holding its graph until the loss takes it).
+        self.keep_router_stats = False
+        self.router_stats: tuple[torch.Tensor, torch.Tensor, int] | None = None
+
+    def init_weights(self, init_std: float) -> None:
+        trunc_normal_(self.router.weight, std=0.02)
+        self.experts.init_weights(init_std)
+        if self.shared_expert is not None:
+            self.shared_expert.init_weights(init_std)
+        with torch.no_grad():
+            self.expert_bias.zero_()
+            self.tokens_per_expert.zero_()
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (tokens, dim) -> (router probabilities (tokens, experts), chosen experts (tokens, k),
+        their weights (tokens, k)), in float32."""
+        logits = F.linear(x.float(), self.router.weight.float())
+        scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
+        _, experts = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1)
+        weights = scores.gather(-1, experts)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        probs = scores if self.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+        return probs, experts, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        probs, experts, weights = self.route(tokens)
+        out = self.run_experts(tokens, probs, experts)
+        # Each token's weighted sum over its k choices: a fixed order of additions, the same on every
+        # device (no scatter-add).
+        out = (out.view(-1, self.top_k, dim) * weights.to(out.dtype).unsqueeze(-1)).sum(1)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(tokens)
+        return out.view(bs, seqlen, dim)
+
+    @torch.compiler.disable
+    def run_experts(self, tokens: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Each (token, choice) pair's expert output, (tokens x k, dim) in (token, choice) order; counts
+        the tokens in training. Shapes depend on the routing, so torch.compile leaves this out."""
+        counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
+        if self.training and _training_forward():
+            if self.keep_router_stats:
+                self.router_stats = (counts.detach().float(), probs.sum(0), tokens.shape[0])
+            with torch.no_grad():
+                self.tokens_per_expert += counts
+        # The pairs grouped by expert; a stable sort keeps tokens in order within one.
+        order = torch.argsort(experts.flatten(), stable=True)
+        routed = tokens.repeat_interleave(self.top_k, dim=0)[order]
+        return self.experts(routed, counts.tolist())[torch.argsort(order)]
