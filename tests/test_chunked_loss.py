@@ -12,6 +12,8 @@ from scripts.parity_matrix import (
     CHUNKED_LOSS,
     COMPILE,
     FSDP_KNOBS,
+    QWEN3_MOE_BIAS,
+    QWEN3_UNTIED,
     Layout,
     run_layout,
     tp,
@@ -87,15 +89,26 @@ def test_loss_parallel_and_pipeline_parallelism_are_accepted():
     check_layout(job_config, world_size=4)
 
 
+# Qwen3 (per-head q/k norms under TP; its block plan is Llama's plus those) on FSDP x TP, and Qwen3-MoE
+# compiled (its dense first block whole, its MoE blocks around the expert dispatch): the shared FSDP x
+# TP + selective AC and compile + selective AC paths, each with the chunked loss.
 CHUNKED_LAYOUTS = [
     Layout(
-        "FSDP 2 x TP 2 (loss parallel) + GA 2 + AC selective op + chunked loss, reshard always",
+        "Qwen3 untied: FSDP 2 x TP 2 (loss parallel) + GA 2 + AC selective op + chunked loss, reshard always",
         4,
         1,
         4,
         tp(2) + AC_OP + FSDP_KNOBS + CHUNKED_LOSS,
+        QWEN3_UNTIED,
     ),
-    Layout("compile + AC selective op + chunked loss", 1, 4, 4, COMPILE + AC_OP + CHUNKED_LOSS),
+    Layout(
+        "Qwen3-MoE bias: compile + AC selective op + chunked loss",
+        1,
+        4,
+        4,
+        COMPILE + AC_OP + CHUNKED_LOSS,
+        QWEN3_MOE_BIAS,
+    ),
 ]
 
 
@@ -103,8 +116,8 @@ def test_chunked_runs_match_the_unfused_single_process_run(tmp_path, reference_r
     """train.py under torchrun: the chunked loss composed with FSDP (the root kept gathered), TP (loss
     parallel: vocabulary shards, sequence parallel), gradient accumulation, compile and selective AC
     logs the losses, gradient norms and validation losses of the unfused 1-process run."""
-    reference = reference_run(4)  # conftest.py's, shared with test_parity.py
     for i, layout in enumerate(CHUNKED_LAYOUTS):
+        reference = reference_run(layout.global_batch, layout.model)  # shared with test_parity.py
         result = run_layout(layout, tmp_path / str(i), 10, reference)
         assert result.error is None, result.error
         assert result.max_loss_diff <= 1e-5 and result.max_grad_norm_diff <= 1e-5, result

@@ -1,8 +1,8 @@
 """Qwen3-MoE resumes exactly across expert-parallel layouts, its routing biases and their history with
 it (both balancing methods on): saved by one process and resumed on EP 2 within 1e-5 of the run that
-never stopped (the biases within 1e-6), EP 2 killed with SIGKILL and relaunched bit for bit (biases and
-optimizer state included), and EP 2's checkpoint resumed by one process within 1e-5. Parity with one
-process on every layout is test_parity.py's and scripts/parity_matrix.py's."""
+never stopped (the biases within 1e-6); EP 2 killed with SIGKILL once an asynchronous save is complete
+and relaunched bit for bit (biases and optimizer state included); EP 2's checkpoint resumed by one
+process within 1e-5. Parity with one process on every layout: test_parity.py, scripts/parity_matrix.py."""
 
 import shutil
 import signal
@@ -19,6 +19,7 @@ MOE = [*QWEN3_MOE, "--moe.bias_update_rate", "0.01", "--validation.enable", "fal
 STEPS = ["--training.steps", "8", "--checkpoint.enable_checkpoint", "true", *MOE]
 EP2 = [*ep(2), "--training.batch_size", "2", "--checkpoint.interval", "2"]
 ONE = ["--training.batch_size", "4", "--checkpoint.interval", "4"]
+ASYNC = ["--checkpoint.async_mode", "async"]
 
 
 def check(result):
@@ -62,16 +63,17 @@ def test_moe_resumes_across_expert_parallel_layouts_and_after_sigkill(tmp_path):
     for name, bias in biases(single / "checkpoint" / "step-8").items():
         torch.testing.assert_close(ep2_biases[name], bias, rtol=0, atol=1e-6)
 
-    # EP 2 killed once step 6 is saved, relaunched: EP 2's losses and biases, bit for bit.
+    # EP 2 killed once step 6 is saved (by background processes: async), relaunched: EP 2's losses and
+    # biases, bit for bit.
     copy_step(single, 4, killed)
-    job = chaos.Job(2, killed, *chaos.JOB, *MOE, *ep(2))
+    job = chaos.Job(2, killed, *chaos.JOB, *MOE, *ep(2), *ASYNC)
     deadline = time.monotonic() + 300
     while "step-6" not in chaos.complete_checkpoints(killed):
         assert job.running() and time.monotonic() < deadline, job.output(0)[-3000:]
         time.sleep(0.01)
     job.signal([0, 1], signal.SIGKILL)
     assert job.wait(30) == [-signal.SIGKILL] * 2
-    relaunch = chaos.run_to_end(2, killed, *MOE, *ep(2))
+    relaunch = chaos.run_to_end(2, killed, *MOE, *ep(2), *ASYNC)
     assert "Resumed from step 6" in relaunch.output(0)
     logged = chaos.losses(killed)  # both launches'
     assert sorted({step for step, _ in logged}) == [5, 6, 7, 8]

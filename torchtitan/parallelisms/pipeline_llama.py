@@ -65,13 +65,13 @@ class _Stage(PipelineStage):
     mixture-of-experts layer counts the tokens its experts take in one (torchtitan/models/moe.py)."""
 
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
-        saved = [(buffer, buffer.clone()) for buffer in self.submod.buffers()]
+        saved = [(buffer, buffer._version, buffer.clone()) for buffer in self.submod.buffers()]
         try:
             return super()._forward_metadata_inference(*args, **kwargs)
         finally:
-            with torch.no_grad():  # only those it changed: autograd saved the others (RoPE's) as they are
-                for buffer, value in saved:
-                    if not torch.equal(buffer, value):
+            with torch.no_grad():  # only those it wrote to: autograd saved the others (RoPE's) as they are
+                for buffer, version, value in saved:
+                    if buffer._version != version:
                         buffer.copy_(value)
 
 
