@@ -472,7 +472,7 @@ def _mesh_worker(rank: int, world_size: int, tmp_dir: str) -> None:
             results[case] = _moe_step(model, moe_batch[rank : rank + 1], mesh["dp_shard"], worst_case)
         # Further worst-case steps leave no tensor behind (the routing of each exchange is released).
         live_tensors = []
-        for _ in range(3):
+        for _ in range(4):
             model.zero_grad(set_to_none=True)
             _moe_step(model, moe_batch[rank : rank + 1], mesh["dp_shard"], worst_case=True)
             gc.collect()
@@ -590,8 +590,10 @@ def test_chunked_loss_step_equals_the_unfused_one(mesh_results, case):
 
 
 def test_expert_parallel_steps_leak_nothing(mesh_results):
-    first, *later = mesh_results["moe_ep_live_tensors"]
-    assert later == [first] * len(later), mesh_results["moe_ep_live_tensors"]
+    """Live tensors after each of 4 worst-case steps: a leak (a forward's routing, an activation or a
+    graph kept) grows them every step; a transient one (a cache) may come and go."""
+    live = mesh_results["moe_ep_live_tensors"]
+    assert max(live) - min(live) <= 1 and live[-1] <= live[0] + 1, live
 
 
 @pytest.mark.parametrize("case", ["moe_ep", "moe_ep_worst_case"])
