@@ -108,7 +108,9 @@ def main(job_config: JobConfig) -> int:
         logger.info(f"Resumed from step {resumed_step}")
 
     # Mixture-of-experts models: the auxiliary loss and the routing biases (torchtitan/load_balance.py).
-    load_balance = LoadBalance(model_parts, job_config.moe, meshes.dp, meshes.pp) if spec.moe else None
+    load_balance = None
+    if spec.moe:
+        load_balance = LoadBalance(model_parts, job_config.moe, meshes.dp, meshes.pp, meshes.tp)
     train_step = TrainStep(model_parts, pipeline, parallel_dims, training, device, load_balance)
     # Per device, for tokens/s and MFU: pipeline and tensor-parallel ranks share the work of each token.
     tokens_per_rank = grad_accum_steps * training.batch_size * training.seq_len

@@ -160,6 +160,17 @@ MATRIX = [
     Layout("Qwen3-MoE bias: EP 2", 2, 2, 4, ep(2), QWEN3_MOE_BIAS),
     Layout("Qwen3-MoE bias: EP 2 + GA 2", 2, 1, 4, ep(2), QWEN3_MOE_BIAS),
     Layout("Qwen3-MoE bias: PP 2 x EP 2", 4, 2, 4, pp(2) + ep(2), QWEN3_MOE_BIAS),
+    Layout("Qwen3-MoE: EP 2 x TP 2", 4, 2, 4, ep(2) + tp(2), QWEN3_MOE),
+    Layout("Qwen3-MoE bias: EP 2 x TP 2", 4, 2, 4, ep(2) + tp(2), QWEN3_MOE_BIAS),
+    Layout("Qwen3-MoE: FSDP 2 x TP 2", 4, 2, 4, tp(2), QWEN3_MOE),
+    Layout(
+        "Qwen3-MoE: EP 2 x TP 2 + AC full + chunked loss",
+        4,
+        2,
+        4,
+        ep(2) + tp(2) + AC_FULL + CHUNKED_LOSS,
+        QWEN3_MOE,
+    ),
 ]
 
 

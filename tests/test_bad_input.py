@@ -452,9 +452,10 @@ CASES = [
         env={"WORLD_SIZE": "2"},
     ),
     Case(
-        "TP with a mixture of experts",
+        "TP with a mixture of experts, without FSDP",
         args("--model.name", "qwen3_moe", "--parallelism.tensor_parallel_degree", "2"),
-        "parallelism.tensor_parallel_degree: qwen3_moe's experts are not tensor-parallel; use 1",
+        "parallelism.tensor_parallel_degree: qwen3_moe's experts are not tensor-parallel: each tp rank "
+        "routes its own tokens and FSDP sums their gradients, so TP needs data_parallel_shard_degree > 1",
         env={"WORLD_SIZE": "2"},
     ),
     Case(

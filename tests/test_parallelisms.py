@@ -381,23 +381,23 @@ def _chunked_step_diffs(mesh, dims: ParallelDims, tokens: torch.Tensor, **parall
     return _max_over_ranks([(chunked_loss - loss).abs(), grad_diff, (chunked_evaluation - evaluation).abs()])
 
 
-def _moe_step(model: nn.Module, tokens: torch.Tensor, dp_mesh, worst_case: bool) -> tuple:
-    """One step's loss (the mean over the data-parallel ranks), auxiliary loss and full gradients of a
-    Qwen3-MoE, the auxiliary loss's statistics over `dp_mesh`'s ranks; `worst_case`: every token routed
-    to the experts of the first EP rank."""
+def _moe_step(model: nn.Module, tokens: torch.Tensor, dp_mesh, worst_case: bool, tp_mesh=None) -> tuple:
+    """One step's loss (the mean over the data-parallel ranks), auxiliary loss (its logged metric) and
+    full gradients of a Qwen3-MoE, the auxiliary loss's statistics over `dp_mesh`'s and `tp_mesh`'s
+    ranks; `worst_case`: every token routed to the experts of the first EP rank."""
     if worst_case:
         with torch.no_grad():
             for moe in (m for m in model.modules() if isinstance(m, MoE)):
                 moe.expert_bias.copy_(torch.tensor(WORST_CASE_BIAS))
-    balance = LoadBalance([model], MoEConfig(), dp=dp_mesh, pp=None)
+    balance = LoadBalance([model], MoEConfig(), dp=dp_mesh, pp=None, tp=tp_mesh)
     loss = _loss(model, tokens)
-    aux_loss = balance.aux_loss()
-    (loss + 0.001 * aux_loss).backward()
-    losses = torch.stack([loss.detach(), aux_loss.detach()])
-    if dp_mesh is not None:  # each rank's auxiliary loss has its own router probabilities
-        dist.all_reduce(losses, group=dp_mesh.get_group())
-        losses /= dp_mesh.size()
-    return *losses, {clean_fqn(n): _full(p.grad) for n, p in model.named_parameters()}
+    (loss + 0.001 * balance.aux_loss()).backward()
+    aux_loss = balance.step_done()["aux_loss"]
+    loss = loss.detach()
+    if dp_mesh is not None:
+        dist.all_reduce(loss, group=dp_mesh.get_group())
+        loss /= dp_mesh.size()
+    return loss, aux_loss, {clean_fqn(n): _full(p.grad) for n, p in model.named_parameters()}
 
 
 def _mesh_worker(rank: int, world_size: int, tmp_dir: str) -> None:
@@ -478,6 +478,17 @@ def _mesh_worker(rank: int, world_size: int, tmp_dir: str) -> None:
             gc.collect()
             live_tensors.append(sum(torch.is_tensor(o) for o in gc.get_objects()))
         results["moe_ep_live_tensors"] = live_tensors
+        # EP 2 with TP 2 on attention: each tp rank routes the tokens of its half of each sequence.
+        dims = ParallelDims(dp_shard=2, ep=2, tp=2, world_size=4, enable_loss_parallel=False)
+        mesh = dims.build_mesh("cpu")
+        config = _config(expert_parallel_degree=2, tensor_parallel_degree=2, enable_loss_parallel=False)
+        config.model.name = "qwen3_moe"
+        model = _build(MOE_TINY, mesh, dims, config, Qwen3MoeTransformer)
+        placements = {clean_fqn(n): tuple(p.placements) for n, p in model.named_parameters()}
+        results["moe_ep_tp_placements"] = placements
+        dp_rank = mesh["dp_shard"].get_local_rank()
+        tokens = moe_batch[dp_rank : dp_rank + 1]
+        results["moe_ep_tp"] = _moe_step(model, tokens, mesh["dp_shard"], False, mesh["tp"])
 
         counter = _CountCollectives()
         batches = torch.randint(0, TINY.vocab_size, (2, 2, 17), generator=torch.Generator().manual_seed(rank))
@@ -596,18 +607,25 @@ def test_expert_parallel_steps_leak_nothing(mesh_results):
     assert max(live) - min(live) <= 1 and live[-1] <= live[0] + 1, live
 
 
-@pytest.mark.parametrize("case", ["moe_ep", "moe_ep_worst_case"])
+@pytest.mark.parametrize("case", ["moe_ep", "moe_ep_worst_case", "moe_ep_tp"])
 def test_expert_parallel_step_matches_single_process(mesh_results, case):
     """EP 2 on 4 FSDP ranks, each with a quarter of the batch: the loss, the auxiliary loss and every
     weight's gradient, each expert's included, are those of one process on the whole batch (with the
     expert gradients divided by the whole data-parallel degree, not by the ranks FSDP shards them over);
     also when every token goes to the first EP rank's experts and the second receives none, with full
-    activation checkpointing."""
+    activation checkpointing; and EP 2 with TP 2 on 2 data-parallel ranks, each tp rank routing its
+    half of the sequence (the router's and experts' gradients summed over tp by FSDP)."""
     experts = "layers.0.feed_forward.experts.w1"
-    assert mesh_results["moe_ep_placements"][experts] == (_StridedShard(0, split_factor=2), Shard(0))
+    if case == "moe_ep_tp":  # EP over the dp ranks, FSDP over the tp ranks; the router over both
+        placements = mesh_results["moe_ep_tp_placements"]
+        assert placements[experts] == (_StridedShard(0, split_factor=2), Shard(0)), placements[experts]
+        assert placements["layers.0.feed_forward.router.weight"] == (Shard(0),)
+    else:
+        assert mesh_results["moe_ep_placements"][experts] == (_StridedShard(0, split_factor=2), Shard(0))
     model = _build(MOE_TINY, None, None, None, Qwen3MoeTransformer)
     moe_batch = torch.randint(0, MOE_TINY.vocab_size, (4, 17), generator=torch.Generator().manual_seed(2))
-    loss, aux_loss, grads = _moe_step(model, moe_batch, None, case == "moe_ep_worst_case")
+    batch = moe_batch[:2] if case == "moe_ep_tp" else moe_batch
+    loss, aux_loss, grads = _moe_step(model, batch, None, case == "moe_ep_worst_case")
     ep_loss, ep_aux_loss, ep_grads = mesh_results[case]
     torch.testing.assert_close(ep_loss, loss, rtol=0, atol=1e-6)
     torch.testing.assert_close(ep_aux_loss, aux_loss, rtol=0, atol=1e-6)

@@ -12,6 +12,7 @@ from scripts.parity_matrix import (
     AC_FULL,
     CHUNKED_LOSS,
     FSDP_KNOBS,
+    QWEN3_MOE,
     QWEN3_MOE_BIAS,
     QWEN3_UNTIED,
     Layout,
@@ -33,18 +34,18 @@ CI_LAYOUTS = [
     # plan extends Llama's); tied embeddings: test_parallelisms.py on FSDP x TP, test_qwen3_resume.py.
     # Pipelines (their code is any family's): 1F1B on 4 micro-batches.
     Layout("Qwen3 untied: PP 2, 1F1B, 4 micro-batches", 2, 4, 4, pp(2) + MICROBATCHES_4, QWEN3_UNTIED),
-    # Qwen3-MoE (docs/moe.md), balanced by the routing bias: expert parallelism with activations
-    # recomputed (the all-to-alls too) and the chunked loss; PP x EP, whose pipeline takes the bias
-    # through its first-step shape inference unchanged. Compile: test_chunked_loss.py. The auxiliary loss
-    # over the data-parallel ranks, EP 2 on FSDP 4 and worst-case routing: test_parallelisms.py's step
-    # and test_moe_resume.py's runs (aux loss logged within 1e-5 across EP layouts).
+    # Qwen3-MoE (docs/moe.md): expert parallelism with TP 2 on attention (each tp rank routes its own
+    # sequence shard), the auxiliary loss, activations recomputed (the all-to-alls too) and the chunked
+    # loss; PP x EP balanced by the routing bias, whose pipeline takes the bias through its first-step
+    # shape inference unchanged. Compile: test_chunked_loss.py. EP 2 on FSDP 4, worst-case routing and
+    # one EP 2 x TP 2 step's every gradient: test_parallelisms.py; EP 2 alone: test_moe_resume.py.
     Layout(
-        "Qwen3-MoE bias: EP 2 + AC full + chunked loss",
-        2,
+        "Qwen3-MoE: EP 2 x TP 2 + AC full + chunked loss",
+        4,
         2,
         4,
-        ep(2) + AC_FULL + CHUNKED_LOSS,
-        QWEN3_MOE_BIAS,
+        ep(2) + tp(2) + AC_FULL + CHUNKED_LOSS,
+        QWEN3_MOE,
     ),
     Layout("Qwen3-MoE bias: PP 2 x EP 2", 4, 2, 4, pp(2) + ep(2), QWEN3_MOE_BIAS),
 ]

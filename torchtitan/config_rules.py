@@ -90,8 +90,8 @@ def check_tied_pipeline(job_config: JobConfig, model_args: ModelArgs) -> None:
 
 def check_moe(job_config: JobConfig, parallel_dims: ParallelDims, model_args: ModelArgs) -> None:
     """Expert parallelism splits a mixture-of-experts model's experts evenly; what such a model cannot run
-    with yet: its experts are not tensor-parallel, and its auxiliary loss pools the router statistics of
-    all layers, which pipeline stages hold apart."""
+    with yet: TP without FSDP (its layers' gradients are summed over the tp ranks by FSDP), and its
+    auxiliary loss pools the router statistics of all layers, which pipeline stages hold apart."""
     name = job_config.model.name
     if not model_spec(job_config.model).moe:
         if parallel_dims.ep_enabled:
@@ -117,10 +117,11 @@ def check_moe(job_config: JobConfig, parallel_dims: ParallelDims, model_args: Mo
             f"parallelism.expert_parallel_degree: {parallel_dims.ep} does not divide the "
             f"{model_args.num_experts} experts of {name} {job_config.model.flavor}; choose a divisor"
         )
-    if parallel_dims.tp_enabled:
+    if parallel_dims.tp_enabled and not parallel_dims.dp_shard_enabled:
         raise ConfigError(
-            f"parallelism.tensor_parallel_degree: {name}'s experts are not tensor-parallel; use 1 (shard "
-            "the model with data_parallel_shard_degree or pipeline_parallel_degree)"
+            f"parallelism.tensor_parallel_degree: {name}'s experts are not tensor-parallel: each tp rank "
+            "routes its own tokens and FSDP sums their gradients, so TP needs data_parallel_shard_degree "
+            "> 1 with it; use FSDP (data_parallel_shard_degree -1) or tensor_parallel_degree 1"
         )
     if parallel_dims.pp_enabled and job_config.moe.aux_loss_coef:
         raise ConfigError(

@@ -1,12 +1,13 @@
 """Process-group setup and the few collectives the training loop needs."""
 
+import math
 import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement, Replicate
 
 
 def device_type() -> str:
@@ -66,6 +67,31 @@ def dist_sum(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return x
 
 
+def _reduced(placement: Placement) -> Placement:
+    return Replicate() if placement.is_partial() else placement
+
+
+def _squared_norm(grads: list[torch.Tensor], accumulate_dtype: torch.dtype | None) -> torch.Tensor:
+    """The squared norm of gradients on one mesh (or plain tensors), the same on all its ranks: each
+    shard's squares, counted once over the mesh dimensions a gradient is replicated on, summed over
+    every dimension's ranks. (DTensor's own reduction fails in torch 2.13 on a mesh FSDP concatenated
+    from dimensions out of the root mesh's order: the experts' under expert x tensor parallelism.)"""
+    if not isinstance(grads[0], DTensor):
+        return (torch.stack(torch._foreach_norm(grads, 2.0, dtype=accumulate_dtype)) ** 2).sum()
+    # Partial sums (TP without FSDP leaves replicated weights' gradients so) are summed first.
+    grads = [g.redistribute(g.device_mesh, [_reduced(p) for p in g.placements]) for g in grads]
+    local = [g.to_local() for g in grads]
+    squares = torch.stack(torch._foreach_norm(local, 2.0, dtype=accumulate_dtype)) ** 2
+    mesh = grads[0].device_mesh
+    replicas = [
+        math.prod(mesh.size(dim) for dim, p in enumerate(g.placements) if p.is_replicate()) for g in grads
+    ]
+    total = (squares / torch.tensor(replicas, dtype=squares.dtype, device=squares.device)).sum()
+    for dim in range(mesh.ndim):
+        dist.all_reduce(total, group=mesh.get_group(dim))
+    return total
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     parameters: list[torch.nn.Parameter], max_norm: float, pp_mesh: DeviceMesh | None = None
@@ -80,22 +106,15 @@ def clip_grad_norm_(
     device = next(p.grad.device for p in parameters if p.grad is not None)
     accumulate_dtype = torch.float64 if device.type == "cpu" else None
     # DTensors on different meshes (experts under expert parallelism) cannot be stacked together:
-    # a norm per mesh, then the norm of those.
+    # a squared norm per mesh, then their sum.
     by_mesh: dict[DeviceMesh | None, list[torch.nn.Parameter]] = {}
     for p in parameters:
         if p.grad is not None:
             by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-    mesh_norms = []
-    for mesh_params in by_mesh.values():
-        norms = torch._foreach_norm([p.grad for p in mesh_params], 2.0, dtype=accumulate_dtype)
-        norm = torch.linalg.vector_norm(torch.stack(norms))
-        mesh_norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-
-    total_norm = mesh_norms[0] if len(mesh_norms) == 1 else torch.linalg.vector_norm(torch.stack(mesh_norms))
+    total_norm = sum(_squared_norm([p.grad for p in group], accumulate_dtype) for group in by_mesh.values())
     if pp_mesh is not None:
-        total_norm = total_norm**2
         dist.all_reduce(total_norm, group=pp_mesh.get_group())
-        total_norm = total_norm.sqrt()
+    total_norm = total_norm.sqrt()
     if max_norm > 0:
         for mesh_params in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(mesh_params, max_norm, total_norm, foreach=True)

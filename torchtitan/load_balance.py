@@ -3,11 +3,11 @@
 - `moe.aux_loss_coef`: the auxiliary loss of transformers' Qwen3-MoE, num_experts * sum_e f_e * P_e,
   where f_e is the share of (token, choice) assignments that went to expert e and P_e its mean router
   probability, both pooled over the sparse layers and the tokens of a micro-batch. f_e (no gradient) is
-  counted over the micro-batch of every data-parallel rank, and the mean of the ranks' P_e is the global
-  one, so the loss of a micro-batch is the same whatever the layout.
+  counted over the micro-batch of every data-parallel and tensor-parallel rank, and the mean of the
+  ranks' P_e is the global one, so the loss of a micro-batch is the same whatever the layout.
 - `moe.bias_update_rate`: DeepSeek-V3's auxiliary-loss-free balancing. After each optimizer step every
   expert's routing bias moves by rate * sign(mean load - its load), from the tokens all data-parallel
-  ranks sent it during the step: the same bias on every rank.
+  (and tensor-parallel) ranks sent it during the step: the same bias on every rank.
 """
 
 import torch
@@ -21,34 +21,45 @@ from torchtitan.models.moe import MoE
 
 class LoadBalance:
     """The MoE layers of this rank's model parts and what balances them; `dp`: the data-parallel mesh
-    (None without data parallelism), `pp`: the pipeline mesh."""
+    (None without data parallelism), `pp`: the pipeline mesh, `tp`: the tensor-parallel mesh, whose
+    ranks each route their own sequence shard of the batch (parallelize_llama.llama_block_plan)."""
 
     def __init__(
-        self, model_parts: list[nn.Module], config: MoEConfig, dp: DeviceMesh | None, pp: DeviceMesh | None
+        self,
+        model_parts: list[nn.Module],
+        config: MoEConfig,
+        dp: DeviceMesh | None,
+        pp: DeviceMesh | None,
+        tp: DeviceMesh | None = None,
     ) -> None:
         self.layers = [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
         self.aux_loss_coef = config.aux_loss_coef if self.layers else 0.0
         for layer in self.layers:
             layer.keep_router_stats = self.aux_loss_coef > 0
         self.bias_update_rate = config.bias_update_rate
-        self.dp, self.pp = dp, pp
+        self.pp = pp
+        self.dp_degree = dp.size() if dp is not None else 1
+        self.tp_degree = tp.size() if tp is not None else 1
+        # The ranks among which each global batch's tokens are routed.
+        self.token_groups = [mesh.get_group() for mesh in (dp, tp) if mesh is not None]
         self.aux_losses: list[torch.Tensor] = []  # this step's, one per micro-batch
 
-    def _sum_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.dp is not None:
-            dist.all_reduce(tensor, group=self.dp.get_group())
+    def _sum_over_tokens(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks that route the global batch's tokens."""
+        for group in self.token_groups:
+            dist.all_reduce(tensor, group=group)
         return tensor
 
     def aux_loss(self) -> torch.Tensor:
-        """The auxiliary loss of the training forward just run (with the router's gradient)."""
+        """The auxiliary loss of the training forward just run (with the router's gradient). Under TP,
+        this rank's share of its data-parallel rank's: the tp ranks' router gradients are summed."""
         counts = torch.stack([m.router_stats[0] for m in self.layers]).sum(0)
         prob_sums = torch.stack([m.router_stats[1] for m in self.layers]).sum(0)
         rows = sum(m.router_stats[2] for m in self.layers)  # sparse layers x this rank's tokens
         for layer in self.layers:
             layer.router_stats = None  # the loss holds their graph now
-        global_rows = rows * (self.dp.size() if self.dp is not None else 1)
-        shares = self._sum_over_dp(counts) / global_rows
-        loss = self.layers[0].num_experts * (shares * prob_sums / rows).sum()
+        shares = self._sum_over_tokens(counts) / (rows * self.dp_degree * self.tp_degree)
+        loss = self.layers[0].num_experts * (shares * prob_sums / (rows * self.tp_degree)).sum()
         self.aux_losses.append(loss.detach())
         return loss
 
@@ -60,7 +71,7 @@ class LoadBalance:
         if not self.layers:  # a pipeline stage of dense layers only
             counts = torch.zeros(0, 1, device=self.pp.device_type if self.pp else "cpu")
         else:
-            counts = self._sum_over_dp(torch.stack([m.tokens_per_expert for m in self.layers]))
+            counts = self._sum_over_tokens(torch.stack([m.tokens_per_expert for m in self.layers]))
         if self.bias_update_rate:
             for layer, load in zip(self.layers, counts):
                 layer.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
@@ -73,7 +84,6 @@ class LoadBalance:
             dist.all_reduce(load, group=self.pp.get_group())
         metrics = {"expert_load": load[0] / load[1]}
         if self.aux_loss_coef:
-            aux_loss = self._sum_over_dp(torch.stack(self.aux_losses).mean())
-            metrics["aux_loss"] = aux_loss / (self.dp.size() if self.dp is not None else 1)
+            metrics["aux_loss"] = self._sum_over_tokens(torch.stack(self.aux_losses).mean()) / self.dp_degree
         self.aux_losses = []
         return metrics

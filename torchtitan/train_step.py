@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.chunked_loss import chunked_cross_entropy
@@ -134,7 +135,11 @@ class TrainStep:
         self, inputs: torch.Tensor, labels: torch.Tensor, microbatches: int
     ) -> torch.Tensor:
         loss = self._model_loss(inputs, labels)
-        objective = loss + self.aux_loss_coef * self.load_balance.aux_loss() if self.aux_loss_coef else loss
+        objective = loss
+        if self.aux_loss_coef:
+            # Under loss parallel the loss is a replicated DTensor; the auxiliary loss is this rank's.
+            local_loss = loss.to_local() if isinstance(loss, DTensor) else loss
+            objective = local_loss + self.aux_loss_coef * self.load_balance.aux_loss()
         (objective / microbatches).backward()
         return loss
 

@@ -67,8 +67,3 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
         for module in block.modules():
             if isinstance(module, MoE):
                 parallelize_module(module, ep_mesh, {"experts": ExpertParallel()})
-
-
-def expert_modules(block: nn.Module) -> list[nn.Module]:
-    """The GroupedExperts of a block (what FSDP shards over the data-parallel ranks left by EP)."""
-    return [module.experts for module in block.modules() if isinstance(module, MoE)]

@@ -16,11 +16,13 @@ if TYPE_CHECKING:
 @dataclass
 class Meshes:
     """The device meshes a rank trains on: all ranks, the data-parallel ranks it shares batches with
-    (None without data parallelism), and its pipeline (None without PP)."""
+    (None without data parallelism), its pipeline (None without PP) and its tensor-parallel group
+    (None without TP)."""
 
     world: DeviceMesh | None
     dp: DeviceMesh | None
     pp: DeviceMesh | None
+    tp: DeviceMesh | None = None
 
     @property
     def dp_degree_and_rank(self) -> tuple[int, int]:
@@ -135,9 +137,25 @@ class ParallelDims:
             mesh[tuple(dp_names)]._flatten("dp")
         return mesh
 
-    def expert_fsdp_mesh_names(self) -> tuple[str, ...]:
-        """The mesh dimensions the experts are FSDP-sharded (and replicated) over under EP."""
-        return ("dp_replicate", "dp_shard_mod_ep") if self.dp_replicate_enabled else ("dp_shard_mod_ep",)
+    def moe_fsdp_meshes(self, world: DeviceMesh) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+        """The meshes FSDP shards a mixture-of-experts layer over apart from its block: (the layer's own
+        unit, its router and shared expert, and its experts without EP; the experts' unit under EP),
+        None where the block's mesh serves. Under TP each rank routes the tokens of its own sequence
+        shard, so these weights' gradients are partial sums over the tp ranks: their units span tp as
+        well, and FSDP's reduce-scatter adds the partial sums up."""
+        shard = ("dp_shard_mod_ep", "ep") if self.ep_enabled else ("dp_shard",)
+        tp = ("tp",) if self.tp_enabled else ()
+        layer = self._flat_mesh(world, (*shard, *tp)) if self.tp_enabled else None
+        experts = self._flat_mesh(world, ("dp_shard_mod_ep", *tp)) if self.ep_enabled else None
+        return layer, experts
+
+    def _flat_mesh(self, world: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:
+        """`dims` as one dimension (flattened once: a second call returns the first one's mesh), after
+        dp_replicate with HSDP."""
+        name = "_".join(dims).replace("dp_shard_mod_ep_ep", "dp_shard")
+        if len(dims) > 1:
+            world[dims]._flatten(name)
+        return world[("dp_replicate", name)] if self.dp_replicate_enabled else world[name]
 
     def build_meshes(self, device_type: str) -> Meshes:
         """The world mesh (None on one process) and its data-parallel and pipeline dimensions."""
@@ -148,6 +166,7 @@ class ParallelDims:
             world,
             world[self.dp_mesh_name()] if self.dp_enabled else None,
             world["pp"] if self.pp_enabled else None,
+            world["tp"] if self.tp_enabled else None,
         )
 
     def dp_mesh_name(self) -> str:

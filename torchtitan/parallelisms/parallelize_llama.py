@@ -18,6 +18,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -27,7 +28,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torchtitan.config_manager import JobConfig
 from torchtitan.models import model_spec
 from torchtitan.models.moe import MoE
-from torchtitan.parallelisms.expert_parallel import apply_ep, expert_modules
+from torchtitan.parallelisms.expert_parallel import apply_ep
 from torchtitan.parallelisms.float8 import float8_tensorwise_tp, tp_styles
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 
@@ -76,9 +77,7 @@ def parallelize_llama(
             backward_prefetch=par.fsdp_backward_prefetch,
             # The chunked loss reads the output projection's weight after the root's forward.
             keep_root_after_forward=job_config.training.loss_chunk_tokens > 0,
-            expert_mesh=world_mesh[parallel_dims.expert_fsdp_mesh_names()]
-            if parallel_dims.ep_enabled
-            else None,
+            moe_meshes=parallel_dims.moe_fsdp_meshes(world_mesh),
         )
     elif parallel_dims.dp_replicate_enabled:
         apply_ddp(model, world_mesh["dp_replicate"], mp_policy)
@@ -133,10 +132,12 @@ def apply_tp(
 
 def llama_block_plan(block: nn.Module, float8_tensorwise: bool) -> dict:
     """A Llama block's TP plan: the norms on sequence shards; attention and feed-forward gather the
-    sequence, run column- then row-wise sharded projections and reduce-scatter back."""
+    sequence, run column- then row-wise sharded projections and reduce-scatter back. A mixture of
+    experts is not tensor-parallel: each rank routes the tokens of its own sequence shard (no
+    collective), with the layer's weights whole (FSDP shards them over tp too: their gradients are
+    partial sums there, parallel_dims.moe_fsdp_meshes)."""
     a_colwise, a_rowwise, a_prepare = tp_styles(block.attention, float8_tensorwise)
-    f_colwise, f_rowwise, f_prepare = tp_styles(block.feed_forward, float8_tensorwise)
-    return {
+    plan = {
         "attention_norm": SequenceParallel(),
         "attention": a_prepare(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
         "attention.wq": a_colwise(),
@@ -144,6 +145,15 @@ def llama_block_plan(block: nn.Module, float8_tensorwise: bool) -> dict:
         "attention.wv": a_colwise(),
         "attention.wo": a_rowwise(output_layouts=Shard(1)),
         "ffn_norm": SequenceParallel(),
+    }
+    if isinstance(block.feed_forward, MoE):
+        plan["feed_forward"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
+        )
+        return plan
+    f_colwise, f_rowwise, f_prepare = tp_styles(block.feed_forward, float8_tensorwise)
+    return {
+        **plan,
         "feed_forward": f_prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         "feed_forward.w1": f_colwise(),
         "feed_forward.w2": f_rowwise(output_layouts=Shard(1)),
@@ -217,14 +227,15 @@ def apply_fsdp(
     forward_prefetch: int = 0,
     backward_prefetch: int = 0,
     keep_root_after_forward: bool = False,
-    expert_mesh: DeviceMesh | None = None,
+    moe_meshes: tuple[DeviceMesh | None, DeviceMesh | None] = (None, None),
 ) -> None:
     """FSDP2: shard each transformer block, then the root (embeddings, final norm, output).
 
-    Under expert parallelism (`expert_mesh`: the data-parallel dimensions EP leaves) a block's experts
-    are sharded over `expert_mesh` first, as a unit of their own. Their gradients arrive summed over
-    the EP ranks' tokens by the all-to-all, so FSDP divides them by the whole data-parallel degree
-    rather than by its own mesh's size: the mean over every rank's batch, as for the other weights.
+    `moe_meshes` (parallel_dims.moe_fsdp_meshes): a mixture-of-experts layer's own unit and its
+    experts' under EP, sharded first over their meshes when those are not the block's. The gradients
+    of such a unit arrive summed over the ranks that share its tokens (EP's all-to-all, TP's sequence
+    shards), so FSDP divides them by the data-parallel degree rather than by its mesh's size: the
+    mean over every rank's batch, as for the other weights.
 
     `reshard_after_forward="all_but_last"` keeps the last block gathered: backward starts with it,
     so gathering it again right away would be wasted communication (FSDP never reshards the root
@@ -232,14 +243,18 @@ def apply_fsdp(
     setting). A prefetch count N makes each block all-gather the next N blocks' parameters (the
     previous N in backward) instead of FSDP's implicit one."""
     blocks = list(model.layers.values())
+    layer_mesh, expert_mesh = moe_meshes
     for i, block in enumerate(blocks):
         reshard = i < len(blocks) - 1 if reshard_after_forward == "all_but_last" else reshard_after_forward
-        for experts in expert_modules(block) if expert_mesh is not None else []:
-            fully_shard(experts, mesh=expert_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
-            experts.set_gradient_divide_factor(float(dp_mesh.size()))
-            # Reduce-scatter a sum, then divide (gloo has no pre-multiplied sum). Not over one rank,
-            # where torch 2.13 would then divide twice.
-            experts.set_force_sum_reduction_for_comms(expert_mesh.size(expert_mesh.ndim - 1) > 1)
+        for moe in (m for m in block.modules() if isinstance(m, MoE)):
+            for module, mesh in ((moe.experts, expert_mesh), (moe, layer_mesh)):
+                if mesh is None:
+                    continue
+                fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+                module.set_gradient_divide_factor(float(dp_mesh.size()))
+                # Reduce-scatter a sum, then divide (gloo has no pre-multiplied sum). Not over one
+                # rank, where torch 2.13 would then divide twice.
+                module.set_force_sum_reduction_for_comms(mesh.size(mesh.ndim - 1) > 1)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
     root_reshard = None if reshard_after_forward == "all_but_last" else reshard_after_forward
     root_reshard = False if keep_root_after_forward else root_reshard
