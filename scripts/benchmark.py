@@ -16,6 +16,7 @@
 | chunked-loss memory | a step's peak memory with / without training.loss_chunk_tokens | saves >= logits |
 | chunked-loss step time | that step's time with / without training.loss_chunk_tokens | (reported) |
 | MoE step time | Qwen3-MoE debug model's step time / a dense Qwen3's of the same active parameters | <= 1.5 |
+| MoE all-to-all share | time in the all-to-all token exchange / step time, at EP 2 on 2 ranks | (reported) |
 
 Each part runs in a fresh process (train.py's main() disables GC, compiles, may start process
 groups), on the debug model, one process per rank, `--threads` intra-op threads each. train.py's
@@ -28,7 +29,9 @@ it, timed the same way, on the same model, batch and optimizer, with one fixed b
 own clip_grad_norm_.
 The checkpoint figure comes from scripts/benchmark_checkpoint.py (a 134M-parameter model); the
 chunked-loss figures from the trainer's TrainStep on the debug model with a 128256-token vocabulary
-on 2 x 2048 tokens in fp32, peaks as scripts/estimate_memory.py --measure takes them.
+on 2 x 2048 tokens in fp32, peaks as scripts/estimate_memory.py --measure takes them. The MoE
+all-to-all share profiles train.py on the Qwen3-MoE debug recipe at EP 2 on 2 gloo ranks (CPU, also
+on a GPU machine), in wall time.
 Takes a few minutes on 2 CPU cores; on a GPU machine it runs on the GPU.
 """
 
@@ -41,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -77,18 +81,26 @@ WINDOWS = 8  # steady windows timed per run; the best one counts, as other proce
 ON_GPU = torch.cuda.is_available()
 
 
+def run_train(argv: list[str], after_optimizer_step: Callable[[], None]) -> None:
+    """train.py's main() in this process, calling `after_optimizer_step` after each of its optimizer
+    steps (a global optimizer hook, so train.py needs no changes)."""
+    train_main = runpy.run_path(str(ROOT / "train.py"))["main"]  # a program: executed, not imported
+    hook = register_optimizer_step_post_hook(lambda *_: after_optimizer_step())
+    try:
+        train_main(parse_args(argv))
+    finally:
+        hook.remove()
+
+
 def train_step_time(dump_folder: str, extra: list[str]) -> dict:
     """Step seconds of train.py's main(), run in this process: its best steady window as its
     metrics.jsonl reports it (wall time), and this process's CPU time over the same windows."""
-    train_main = runpy.run_path(str(ROOT / "train.py"))["main"]  # a program: executed, not imported
     cpu_at_step: list[float] = []
-    hook = register_optimizer_step_post_hook(lambda *_: cpu_at_step.append(time.process_time()))
     steps = STEADY_FROM + WINDOWS * LOG_FREQ
     argv = [*TRAIN_ARGS, "--training.steps", str(steps), "--metrics.log_freq", str(LOG_FREQ)]
-    try:
-        train_main(parse_args([*argv, "--job.dump_folder", dump_folder, *extra]))
-    finally:
-        hook.remove()
+    run_train(
+        [*argv, "--job.dump_folder", dump_folder, *extra], lambda: cpu_at_step.append(time.process_time())
+    )
     with open(os.path.join(dump_folder, "metrics.jsonl")) as f:
         steady = (r for r in map(json.loads, f) if r["step"] > STEADY_FROM and "step_time" in r)
         best = min(steady, key=lambda r: r["step_time"])
@@ -286,6 +298,86 @@ def part_moe(tmp: str) -> dict:
     return {"value": step_ratio(moe, dense), "moe": moe, "dense": dense}
 
 
+MOE_EP_ARGS = [
+    "--job.config_file",
+    str(ROOT / "train_configs" / "qwen3_moe_debug.toml"),
+    "--checkpoint.enable_checkpoint",
+    "false",
+    "--validation.enable",
+    "false",
+    "--parallelism.data_parallel_shard_degree",
+    "2",
+    "--parallelism.expert_parallel_degree",
+    "2",
+]
+PROFILED_STEPS = 8  # steady steps profiled by the all-to-all part
+FUNCOL = "_c10d_functional::"  # torch's functional collectives, as the profiler names their ops
+
+
+def all_to_all_exchanges(events: list) -> list[float]:
+    """Microseconds spent in each of the experts' all-to-alls among `events` (one thread's profiler
+    events, in start order): a funcol all_to_all_single (its launch, in forward or in an autograd
+    backward), then the funcol waits and autograd wrapping that follow it up to the next functional
+    collective's launch. Expert parallelism waits for each all-to-all's result before launching
+    another collective, so those waits are its; FSDP's collectives are c10d's own ops, not funcol's."""
+    exchanges: list[float] = []
+    launched, counted_until = "", 0.0
+    for event in events:
+        if not event.name.startswith(FUNCOL):
+            continue
+        op = event.name.removeprefix(FUNCOL)
+        if op not in ("wait_tensor", "_wrap_tensor_autograd"):
+            launched = op
+            if op == "all_to_all_single":
+                exchanges.append(0.0)
+        if launched == "all_to_all_single" and event.time_range.start >= counted_until:  # not nested
+            exchanges[-1] += event.time_range.elapsed_us()
+            counted_until = event.time_range.end
+    return exchanges
+
+
+def part_moe_all_to_all(tmp: str) -> dict:
+    """Share of an expert-parallel step spent in the all-to-all token exchange: train.py on the
+    Qwen3-MoE debug recipe at EP 2 (2 FSDP ranks), each rank profiled over PROFILED_STEPS steady
+    steps (from one optimizer step to the next), in wall time, as waiting for the other rank's tokens
+    is part of the exchange's cost. The ranks make the same exchanges in the same order; the one that
+    arrives last at an exchange blocks the least, for the exchange itself (`exchange_ms`): the rest
+    of a rank's time in it is waiting for that rank."""
+    import torch.distributed as dist
+
+    profiler = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU],
+        schedule=torch.profiler.schedule(wait=STEADY_FROM - 1, warmup=1, active=PROFILED_STEPS, repeat=1),
+    )
+    argv = [*MOE_EP_ARGS, "--training.steps", str(STEADY_FROM + PROFILED_STEPS)]
+    with profiler:
+        run_train([*argv, "--job.dump_folder", os.path.join(tmp, "moe_ep")], profiler.step)
+    steps = [e for e in profiler.events() if e.name.startswith("ProfilerStep")]  # "ProfilerStep*"
+    assert len(steps) == PROFILED_STEPS, [e.name for e in steps]
+    loop = sorted(
+        (e for e in profiler.events() if e.thread == steps[0].thread), key=lambda e: e.time_range.start
+    )
+    mine = (sum(e.time_range.elapsed_us() for e in steps) / 1e3 / PROFILED_STEPS, all_to_all_exchanges(loop))
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    dist.barrier()  # no rank tears gloo down while another still reads from it
+    dist.destroy_process_group()
+    ranks = [
+        {"step_ms": step_ms, "all_to_all_ms": sum(ex) / 1e3 / PROFILED_STEPS, "exchanges": len(ex)}
+        for step_ms, ex in gathered
+    ]
+    assert len({len(ex) for _, ex in gathered}) == 1, "the ranks' exchanges differ"
+    exchange_ms = sum(map(min, zip(*(ex for _, ex in gathered)))) / 1e3 / PROFILED_STEPS
+    mean_step_ms = sum(r["step_ms"] for r in ranks) / len(ranks)
+    return {
+        "value": sum(r["all_to_all_ms"] / r["step_ms"] for r in ranks) / len(ranks),
+        "ranks": ranks,
+        "exchange_ms": exchange_ms,
+        "exchange_share": exchange_ms / mean_step_ms,
+        "load_average": os.getloadavg()[0],
+    }
+
+
 def part_chunked_loss(tmp: str) -> dict:
     return benchmark_memory.chunked_loss(TRAIN_ARGS, LOSS_CHUNK_TOKENS)
 
@@ -300,13 +392,17 @@ PARTS = {
     "fsdp_memory": part_fsdp_memory,
     "chunked_loss": part_chunked_loss,
     "moe": part_moe,
+    "moe_all_to_all": part_moe_all_to_all,
 }
 
 
-def run_part(name: str, tmp: str, threads: int, nproc: int = 1) -> dict:
-    """Run one part in fresh process(es); its train.py logs go to {tmp}/{name}.log."""
+def run_part(name: str, tmp: str, threads: int, nproc: int = 1, cpu: bool = False) -> dict:
+    """Run one part in fresh process(es), on the CPU alone if `cpu` (GPUs hidden); its train.py logs
+    go to {tmp}/{name}-{nproc}.log."""
     result = os.path.join(tmp, f"{name}-{nproc}.json")
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT))
+    if cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     launcher = [sys.executable]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
@@ -479,6 +575,22 @@ def run_all(threads: int, tmp: str) -> dict:
         f"Qwen3-MoE debugmodel {ms(e['moe'])}, dense Qwen3 of the same active parameters "
         f"{ms(e['dense'])} (a hand-written loop, one process)",
         e,
+    )
+    a = run_part("moe_all_to_all", tmp, threads, 2, cpu=True)  # gloo: the profile is host time
+    add(
+        "MoE all-to-all share",
+        a["value"],
+        "(reported)",
+        True,
+        "Qwen3-MoE debugmodel, EP 2 on 2 FSDP ranks (CPU, gloo), 8 x 256 tokens each, train.py profiled "
+        "(wall time): "
+        + ", ".join(
+            f"rank {i} {r['all_to_all_ms']:.1f} of {r['step_ms']:.1f} ms/step"
+            for i, r in enumerate(a["ranks"])
+        )
+        + f"; the exchange itself (the later rank's time) {a['exchange_ms']:.1f} ms/step, "
+        f"{a['exchange_share']:.1%} of a step; the rest is waiting for the other rank",
+        a,
     )
     return {"setup": setup, "figures": figures}
 

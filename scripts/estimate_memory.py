@@ -13,7 +13,11 @@ schedule, one rank of each kind runs two micro-batches and every rank's step is 
 actions; otherwise blocks are alike, so a deep model is simulated at three small depths and
 extrapolated. --full simulates the whole step, slowly. The simulations run side by side, one
 process each, on the machine's CPUs. Every layout the trainer runs is covered: FSDP, HSDP, DDP,
-TP, PP (every schedule), activation checkpointing and gradient accumulation.
+TP, PP (every schedule), activation checkpointing, gradient accumulation, and mixtures of experts
+with expert parallelism (simulated whole: no depth extrapolation). Their routing, which fake tensors
+cannot tell, is assumed balanced (torchtitan/memory_estimation/routing.py): each expert takes an
+equal share of a rank's tokens x top_k rows, and under EP each rank receives tokens x top_k rows;
+--expert-load F (1 <= F <= EP) has the rank's experts receive F times that.
 
     torchrun --nproc_per_node N scripts/estimate_memory.py --measure --job.config_file F [...]
 
@@ -36,7 +40,6 @@ from torchtitan.config_manager import ConfigError  # noqa: E402
 from torchtitan.config_parser import parse_args  # noqa: E402
 from torchtitan.memory_estimation.measure import measure  # noqa: E402
 from torchtitan.memory_estimation.report import estimate  # noqa: E402
-from torchtitan.models import model_spec  # noqa: E402
 from torchtitan.reliability.errors import run_with_exit_codes  # noqa: E402
 
 
@@ -56,6 +59,28 @@ def split_config_files(argv: list[str]) -> tuple[list[str], list[str]]:
     return files, rest
 
 
+def pop_expert_load(argv: list[str]) -> tuple[float, list[str]]:
+    """(--expert-load F, default 1: balanced routing; the other arguments)."""
+    loads, rest, i = [], [], 0
+    while i < len(argv):
+        if argv[i] == "--expert-load":
+            loads.append(argv[i + 1] if i + 1 < len(argv) else "")
+            i += 2
+            continue
+        if argv[i].startswith("--expert-load="):
+            loads.append(argv[i].split("=", 1)[1])
+        else:
+            rest.append(argv[i])
+        i += 1
+    try:
+        load = float(loads[-1]) if loads else 1.0
+    except ValueError:
+        load = 0.0
+    if not load >= 1:
+        raise ConfigError(f"--expert-load: expected a number >= 1 (1: balanced routing), got {loads[-1]!r}")
+    return load, rest
+
+
 def main(argv: list[str] | None = None) -> int:
     """The exit code (errors.py's): 2 and one line for a bad option or file."""
     return run_with_exit_codes(lambda: run(sys.argv[1:] if argv is None else argv))
@@ -68,6 +93,7 @@ def run(argv: list[str]) -> int:
     warnings.filterwarnings("ignore", message=".*Profiler won't be using warmup.*")
     # DTensor's advice to flatten the mesh for the gradient norm's all-reduces: once per process.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    expert_load, argv = pop_expert_load(argv)
     files, rest = split_config_files([a for a in argv if a not in ("--measure", "--full")])
     configs = [parse_args(["--job.config_file", f, *rest]) for f in files] or [parse_args(rest)]
     for job_config in configs:  # a training step's memory (an evaluation's forward holds less)
@@ -77,16 +103,10 @@ def run(argv: list[str]) -> int:
             raise ConfigError("--measure: give one --job.config_file")
         measure(configs[0])
         return 0
-    for job_config in configs:
-        if model_spec(job_config.model).moe:
-            raise ConfigError(
-                f"model.name: the estimator does not model {job_config.model.name}'s experts yet (their "
-                "tokens per rank depend on the routing); measure a run with --measure instead"
-            )
     ngpu = os.environ.get("NGPU", "8")
     if not (ngpu.isascii() and ngpu.isdigit()) or int(ngpu) < 1:
         raise ConfigError(f"NGPU: expected a positive number of ranks, got {ngpu!r}")
-    estimate(configs, int(ngpu), full="--full" in argv)
+    estimate(configs, int(ngpu), full="--full" in argv, expert_load=expert_load)
     return 0
 
 

@@ -45,6 +45,14 @@ class Layout:
     global_batch: int  # sequences per step; the reference runs them as one batch on one process
     args: tuple[str, ...] = ()
     model: tuple[str, ...] = ()  # the model's options, shared with the reference (default: Llama 3's)
+    # The reference's micro-batch, in sequences (0: the whole global batch). A mixture of experts'
+    # auxiliary loss is a micro-batch's (not linear in its tokens): a pipeline's is compared with one
+    # process accumulating the same micro-batches.
+    reference_microbatch: int = 0
+
+    @property
+    def reference(self) -> tuple[int, tuple[str, ...], int]:
+        return self.global_batch, self.model, self.reference_microbatch
 
     @property
     def dp_degree(self) -> int:
@@ -107,6 +115,7 @@ QWEN3_TIED = (*QWEN3, "--model.flavor", "debugmodel_tied")
 # loss (the default) or by DeepSeek-V3's routing bias alone.
 QWEN3_MOE = ("--model.name", "qwen3_moe", "--model.tokenizer_path", "assets/tokenizer/kjv_bpe_hf")
 QWEN3_MOE_BIAS = (*QWEN3_MOE, "--moe.aux_loss_coef", "0", "--moe.bias_update_rate", "0.01")
+QWEN3_MOE_BOTH = (*QWEN3_MOE, "--moe.bias_update_rate", "0.01")
 
 MATRIX = [
     Layout("FSDP 2", 2, 2, 4),
@@ -160,6 +169,24 @@ MATRIX = [
     Layout("Qwen3-MoE bias: EP 2", 2, 2, 4, ep(2), QWEN3_MOE_BIAS),
     Layout("Qwen3-MoE bias: EP 2 + GA 2", 2, 1, 4, ep(2), QWEN3_MOE_BIAS),
     Layout("Qwen3-MoE bias: PP 2 x EP 2", 4, 2, 4, pp(2) + ep(2), QWEN3_MOE_BIAS),
+    Layout("Qwen3-MoE: PP 2, 1F1B", 2, 4, 4, pp(2), QWEN3_MOE, reference_microbatch=2),
+    Layout(
+        "Qwen3-MoE: PP 2, Interleaved1F1B",
+        2,
+        4,
+        4,
+        pp(2, "Interleaved1F1B"),
+        QWEN3_MOE,
+        reference_microbatch=1,
+    ),
+    Layout(
+        "Qwen3-MoE aux + bias: PP 2 x EP 2, GPipe, 1 micro-batch",
+        4,
+        2,
+        4,
+        pp(2, "GPipe") + ep(2) + ("--parallelism.pipeline_parallel_microbatches", "1"),
+        QWEN3_MOE_BOTH,
+    ),
     Layout("Qwen3-MoE: EP 2 x TP 2", 4, 2, 4, ep(2) + tp(2), QWEN3_MOE),
     Layout("Qwen3-MoE bias: EP 2 x TP 2", 4, 2, 4, ep(2) + tp(2), QWEN3_MOE_BIAS),
     Layout("Qwen3-MoE: FSDP 2 x TP 2", 4, 2, 4, tp(2), QWEN3_MOE),
@@ -206,9 +233,12 @@ def run(folder: Path, nproc: int, argv: list[str]) -> tuple[list[dict] | None, s
     return metrics, None, seconds
 
 
-def run_reference(folder: Path, global_batch: int, steps: int, model: tuple[str, ...] = ()) -> list[dict]:
-    """The 1-process run every layout with this global batch size and model is compared with."""
-    reference = Layout("reference", 1, global_batch, global_batch, model=model)
+def run_reference(
+    folder: Path, global_batch: int, steps: int, model: tuple[str, ...] = (), microbatch: int = 0
+) -> list[dict]:
+    """The 1-process run every layout with this global batch size, model and reference micro-batch is
+    compared with."""
+    reference = Layout("reference", 1, microbatch or global_batch, global_batch, model=model)
     metrics, error, _ = run(folder, 1, reference.argv(steps))
     if error is not None:
         raise RuntimeError(f"the 1-process reference run failed: {error}")
@@ -244,12 +274,14 @@ def run_matrix(layouts: list[Layout], folder: Path, steps: int) -> list[Result]:
     """Run the 1-process references (one per global batch size and model), then every layout against its
     one."""
     references = {}
-    for i, (batch, model) in enumerate(sorted({(layout.global_batch, layout.model) for layout in layouts})):
-        references[batch, model] = run_reference(folder / f"reference-{i}", batch, steps, model)
-        print(f"reference, global batch {batch} {' '.join(model)}: done", flush=True)
+    for i, (batch, model, microbatch) in enumerate(sorted({layout.reference for layout in layouts})):
+        references[batch, model, microbatch] = run_reference(
+            folder / f"reference-{i}", batch, steps, model, microbatch
+        )
+        print(f"reference, global batch {batch}/{microbatch} {' '.join(model)}: done", flush=True)
     results = []
     for i, layout in enumerate(layouts):
-        reference = references[layout.global_batch, layout.model]
+        reference = references[layout.reference]
         results.append(run_layout(layout, folder / f"layout-{i}", steps, reference))
         print(f"{layout.name}: {results[-1].error or 'done'} ({results[-1].seconds:.0f}s)", flush=True)
     return results

@@ -459,11 +459,18 @@ CASES = [
         env={"WORLD_SIZE": "2"},
     ),
     Case(
-        "MoE auxiliary loss under PP",
-        args("--model.name", "qwen3_moe", "--parallelism.pipeline_parallel_degree", "2"),
-        "moe.aux_loss_coef: qwen3_moe's auxiliary loss pools all layers' router statistics, which pipeline "
-        "stages hold apart; set it to 0 and balance with moe.bias_update_rate",
-        env={"WORLD_SIZE": "2"},
+        "MoE auxiliary loss under PP with replicas alone",
+        args(
+            "--model.name",
+            "qwen3_moe",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+        ),
+        "moe.aux_loss_coef: qwen3_moe's auxiliary loss under pipeline parallelism needs FSDP or no data "
+        "parallelism, not replicas alone (DDP)",
+        env={"WORLD_SIZE": "4"},
     ),
     Case(
         "EP on a dense model",

@@ -204,3 +204,19 @@ def test_chunked_loss_estimate_drops_the_logits():
     chunked_first, chunked_last = estimate(4, *layout, "--training.loss_chunk_tokens", "256")
     assert chunked_first == first
     assert last[-1] - chunked_last[-1] >= 2 * 256 * 8192 * 4 / GIB
+
+
+def test_moe_estimate_splits_the_experts_and_counts_the_rows_they_receive():
+    """Qwen3-MoE's debug model (14,098,944 parameters with the 16k vocabulary; 3 sparse layers of 8
+    experts, 2 per token) at EP 2 over 4 FSDP ranks: each rank holds 4 experts of each layer, sharded
+    over the other 2 ranks, so AdamW's two fp32 states are of a quarter of the parameters. When its
+    experts receive twice the balanced rows (--expert-load 2: 4 x 256 x 2 more per layer), the peak
+    grows by at least what each row keeps for backward: its input, its w1 and w3 outputs and their
+    gated product (hidden size 256)."""
+    layout = ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel"]
+    layout += ["--parallelism.expert_parallel_degree", "2"]
+    ((params, grads, optimizer, activations, peak),) = estimate(4, *layout, how="balanced routing")
+    assert optimizer == pytest.approx(2 * 14_098_944 * 4 / 4 / GIB, rel=0.01)
+    assert peak == pytest.approx(params + grads + optimizer + activations, abs=0.005)
+    ((*_, loaded_peak),) = estimate(4, *layout, "--expert-load", "2", how="receive 2x balanced")
+    assert loaded_peak - peak >= 3 * (4 * 256 * 2) * (256 + 3 * 256) * 4 / GIB

@@ -13,7 +13,7 @@ from scripts.parity_matrix import (
     CHUNKED_LOSS,
     FSDP_KNOBS,
     QWEN3_MOE,
-    QWEN3_MOE_BIAS,
+    QWEN3_MOE_BOTH,
     QWEN3_UNTIED,
     Layout,
     ep,
@@ -36,8 +36,11 @@ CI_LAYOUTS = [
     Layout("Qwen3 untied: PP 2, 1F1B, 4 micro-batches", 2, 4, 4, pp(2) + MICROBATCHES_4, QWEN3_UNTIED),
     # Qwen3-MoE (docs/moe.md): expert parallelism with TP 2 on attention (each tp rank routes its own
     # sequence shard), the auxiliary loss, activations recomputed (the all-to-alls too) and the chunked
-    # loss; PP x EP balanced by the routing bias, whose pipeline takes the bias through its first-step
-    # shape inference unchanged. Compile: test_chunked_loss.py. EP 2 on FSDP 4, worst-case routing and
+    # loss; PP x EP with both balancing methods: the stages pass the router statistics on for the
+    # auxiliary loss, and take the bias through their first-step shape inference unchanged (one
+    # micro-batch: a pipeline's auxiliary loss is each micro-batch's, so with more it equals one process
+    # accumulating the same micro-batches, scripts/parity_matrix.py's PP layouts). Compile:
+    # test_chunked_loss.py. EP 2 on FSDP 4, worst-case routing and
     # one EP 2 x TP 2 step's every gradient: test_parallelisms.py; EP 2 alone: test_moe_resume.py.
     Layout(
         "Qwen3-MoE: EP 2 x TP 2 + AC full + chunked loss",
@@ -47,7 +50,14 @@ CI_LAYOUTS = [
         ep(2) + tp(2) + AC_FULL + CHUNKED_LOSS,
         QWEN3_MOE,
     ),
-    Layout("Qwen3-MoE bias: PP 2 x EP 2", 4, 2, 4, pp(2) + ep(2), QWEN3_MOE_BIAS),
+    Layout(
+        "Qwen3-MoE aux + bias: PP 2 x EP 2, GPipe, 1 micro-batch",
+        4,
+        2,
+        4,
+        pp(2, "GPipe") + ep(2) + ("--parallelism.pipeline_parallel_microbatches", "1"),
+        QWEN3_MOE_BOTH,
+    ),
 ]
 
 

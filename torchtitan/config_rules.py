@@ -91,7 +91,8 @@ def check_tied_pipeline(job_config: JobConfig, model_args: ModelArgs) -> None:
 def check_moe(job_config: JobConfig, parallel_dims: ParallelDims, model_args: ModelArgs) -> None:
     """Expert parallelism splits a mixture-of-experts model's experts evenly; what such a model cannot run
     with yet: TP without FSDP (its layers' gradients are summed over the tp ranks by FSDP), and its
-    auxiliary loss pools the router statistics of all layers, which pipeline stages hold apart."""
+    auxiliary loss under PP with replicas alone (the stages pass its statistics on through FSDP's
+    unit, parallelisms/pipeline_llama.py)."""
     name = job_config.model.name
     if not model_spec(job_config.model).moe:
         if parallel_dims.ep_enabled:
@@ -123,11 +124,13 @@ def check_moe(job_config: JobConfig, parallel_dims: ParallelDims, model_args: Mo
             "routes its own tokens and FSDP sums their gradients, so TP needs data_parallel_shard_degree "
             "> 1 with it; use FSDP (data_parallel_shard_degree -1) or tensor_parallel_degree 1"
         )
-    if parallel_dims.pp_enabled and job_config.moe.aux_loss_coef:
+    ddp = parallel_dims.dp_replicate_enabled and not parallel_dims.dp_shard_enabled
+    if parallel_dims.pp_enabled and job_config.moe.aux_loss_coef and ddp:
         raise ConfigError(
-            f"moe.aux_loss_coef: {name}'s auxiliary loss pools all layers' router statistics, which "
-            "pipeline stages hold apart; set it to 0 and balance with moe.bias_update_rate (e.g. 0.001), "
-            "or use pipeline_parallel_degree 1"
+            f"moe.aux_loss_coef: {name}'s auxiliary loss under pipeline parallelism needs FSDP or no "
+            "data parallelism, not replicas alone (DDP); use data_parallel_shard_degree instead of "
+            "data_parallel_replicate_degree, or balance with moe.aux_loss_coef 0 and "
+            "moe.bias_update_rate (e.g. 0.001)"
         )
 
 

@@ -33,9 +33,12 @@ class LoadBalance:
         tp: DeviceMesh | None = None,
     ) -> None:
         self.layers = [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
-        self.aux_loss_coef = config.aux_loss_coef if self.layers else 0.0
+        # The same on every rank: a pipeline stage of dense layers only still joins the collectives.
+        self.aux_loss_coef = config.aux_loss_coef
         for layer in self.layers:
             layer.keep_router_stats = self.aux_loss_coef > 0
+        self.num_experts = model_parts[0].model_args.num_experts
+        self.top_k = model_parts[0].model_args.top_k
         self.bias_update_rate = config.bias_update_rate
         self.pp = pp
         self.dp_degree = dp.size() if dp is not None else 1
@@ -51,15 +54,21 @@ class LoadBalance:
         return tensor
 
     def aux_loss(self) -> torch.Tensor:
-        """The auxiliary loss of the training forward just run (with the router's gradient). Under TP,
-        this rank's share of its data-parallel rank's: the tp ranks' router gradients are summed."""
+        """The auxiliary loss of the training forward just run through this rank's layers."""
         counts = torch.stack([m.router_stats[0] for m in self.layers]).sum(0)
         prob_sums = torch.stack([m.router_stats[1] for m in self.layers]).sum(0)
-        rows = sum(m.router_stats[2] for m in self.layers)  # sparse layers x this rank's tokens
         for layer in self.layers:
             layer.router_stats = None  # the loss holds their graph now
-        shares = self._sum_over_tokens(counts) / (rows * self.dp_degree * self.tp_degree)
-        loss = self.layers[0].num_experts * (shares * prob_sums / (rows * self.tp_degree)).sum()
+        return self.pooled_aux_loss(counts, prob_sums)
+
+    def pooled_aux_loss(self, counts: torch.Tensor, prob_sums: torch.Tensor) -> torch.Tensor:
+        """The auxiliary loss of a micro-batch from its (token, choice) counts and router probability
+        sums per expert, pooled over the sparse layers (with the router's gradient); a pipeline's last
+        stage gets them from every stage. Under TP, this rank's share of its data-parallel rank's loss:
+        the tp ranks' router gradients are summed."""
+        rows = counts.sum() / self.top_k  # sparse layers x this rank's tokens
+        shares = self._sum_over_tokens(counts.float()) / (rows * self.dp_degree * self.tp_degree)
+        loss = self.num_experts * (shares * prob_sums / (rows * self.tp_degree)).sum()
         self.aux_losses.append(loss.detach())
         return loss
 
@@ -84,6 +93,11 @@ class LoadBalance:
             dist.all_reduce(load, group=self.pp.get_group())
         metrics = {"expert_load": load[0] / load[1]}
         if self.aux_loss_coef:
-            metrics["aux_loss"] = self._sum_over_tokens(torch.stack(self.aux_losses).mean()) / self.dp_degree
+            # Pipelines: the last stage computes it, the others add nothing.
+            aux_loss = torch.stack(self.aux_losses).mean() if self.aux_losses else torch.zeros(())
+            aux_loss = self._sum_over_tokens(aux_loss.to(counts.device)) / self.dp_degree
+            if self.pp is not None:
+                dist.all_reduce(aux_loss, group=self.pp.get_group())
+            metrics["aux_loss"] = aux_loss
         self.aux_losses = []
         return metrics

@@ -92,6 +92,10 @@ class TrainStep:
         self.aux_loss_coef = load_balance.aux_loss_coef if load_balance is not None else 0.0
         self.load_balance = load_balance
         self.pipeline = pipeline
+        if pipeline is not None and self.aux_loss_coef:  # the last stage adds it to each micro-batch's loss
+            pipeline.aux_loss = lambda counts, prob_sums: (
+                self.aux_loss_coef * load_balance.pooled_aux_loss(counts, prob_sums)
+            )
         self.device = device
         self.grad_accum_steps = gradient_accumulation_steps(training_config, parallel_dims)
         self.autocast = autocast_context(parallel_dims, training_config, device)

@@ -4,10 +4,11 @@ import time
 
 import torch
 
-from torchtitan.config_manager import JobConfig
+from torchtitan.config_manager import ConfigError, JobConfig
 from torchtitan.config_rules import check_layout
 from torchtitan.memory_estimation.simulate import estimate_ranks
 from torchtitan.memory_estimation.step import vocab_size_of
+from torchtitan.models import model_spec
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 
 GIB = 2**30
@@ -17,6 +18,7 @@ def layout_of(cfg: JobConfig, parallel_dims: ParallelDims) -> str:
     degrees = [
         ("dp_replicate", parallel_dims.dp_replicate),
         ("dp_shard", parallel_dims.dp_shard),
+        ("ep", parallel_dims.ep),
         ("tp", parallel_dims.tp),
         ("pp", parallel_dims.pp),
     ]
@@ -34,10 +36,28 @@ def row(cfg: JobConfig | str, layout: str, rank: object, values: list[object]) -
     return f"{name:<16} {layout:<48} {rank!s:>5} " + " ".join(cells)
 
 
-def estimate(configs: list[JobConfig], world_size: int, full: bool = False) -> None:
+def routing_note(cfg: JobConfig, parallel_dims: ParallelDims, expert_load: float) -> str | None:
+    """The routing a mixture of experts' estimate assumes (routing.py); None for a dense model. Its
+    experts cannot take more than every rank's rows: `expert_load` above EP is refused."""
+    if not model_spec(cfg.model).moe:
+        return None
+    if not parallel_dims.ep_enabled:
+        return f"{cfg.model.flavor}: each rank runs its tokens x top_k expert rows (any routing)"
+    if expert_load > parallel_dims.ep:
+        raise ConfigError(
+            f"--expert-load: {expert_load:g} is more than expert_parallel_degree {parallel_dims.ep}: a "
+            "rank's experts cannot receive more than every rank's tokens"
+        )
+    if expert_load == 1:
+        return f"{cfg.model.flavor}: balanced routing (each rank's experts receive tokens x top_k rows)"
+    return f"{cfg.model.flavor}: this rank's experts receive {expert_load:g}x balanced routing's rows"
+
+
+def estimate(configs: list[JobConfig], world_size: int, full: bool = False, expert_load: float = 1.0) -> None:
     """Print a row per job, or with pipeline parallelism a row per pipeline rank (their stages and
     in-flight micro-batches differ); the ranks of the other dimensions hold the same share (FSDP
-    pads uneven shards), so the first stands for all."""
+    pads uneven shards), so the first stands for all, and for a mixture of experts the routing is
+    assumed (routing.py), `expert_load` times balanced under expert parallelism."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     jobs, notes = [], []
     for cfg in configs:  # every job is checked before any is estimated
@@ -45,12 +65,14 @@ def estimate(configs: list[JobConfig], world_size: int, full: bool = False) -> N
             cfg.training.compile = False
             cfg.parallelism.enable_async_tensor_parallel = False
             notes.append("training.compile was ignored: the figures are for eager mode")
-        jobs.append((cfg, check_layout(cfg, world_size, device.type), vocab_size_of(cfg)))
+        parallel_dims = check_layout(cfg, world_size, device.type)
+        notes += [note] if (note := routing_note(cfg, parallel_dims, expert_load)) else []
+        jobs.append((cfg, parallel_dims, vocab_size_of(cfg)))
     print(f"Estimated peak memory per rank (GiB) of a steady-state step, {world_size} ranks ({device.type}):")
     print(row("model", "layout", "rank", ["params", "grads", "optim", "activ", "peak"]))
     for cfg, parallel_dims, vocab in jobs:
         start = time.perf_counter()
-        estimates = estimate_ranks(cfg, parallel_dims, world_size, device, vocab, full)
+        estimates = estimate_ranks(cfg, parallel_dims, world_size, device, vocab, full, expert_load)
         labels = (
             [f"pp{pp_rank}" for pp_rank in range(parallel_dims.pp)] if parallel_dims.pp_enabled else ["all"]
         )

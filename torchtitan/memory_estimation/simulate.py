@@ -21,6 +21,7 @@ from torchtitan.memory_estimation.pipeline import (
     pipeline_groups,
     traced_actions,
 )
+from torchtitan.memory_estimation.routing import routed_fake_mode
 from torchtitan.memory_estimation.snapshots import Columns, minus, plus, to_columns
 from torchtitan.memory_estimation.step import build_step
 from torchtitan.memory_estimation.torch_internals import (
@@ -32,7 +33,7 @@ from torchtitan.memory_estimation.torch_internals import (
     static_pipeline_vote,
     untracked_sharding_propagation,
 )
-from torchtitan.models import flavor_args
+from torchtitan.models import flavor_args, model_spec
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline_layout import num_microbatches, stage_layers
 
@@ -51,6 +52,7 @@ class SimulationTask:
     n_layers: int | None = None  # the flavour's depth where None
     rank: int = 0
     compose_for: tuple[int, ...] = ()  # pipeline ranks composed from this one's two micro-batches
+    expert_load: float = 1.0  # a mixture of experts' routing (routing.py)
 
 
 @dataclass
@@ -93,7 +95,11 @@ def estimate_phases(task: SimulationTask) -> list[Phases | None]:
     try:
         # The mesh holds real (rank-list) tensors, so it is built outside fake mode.
         world_mesh = task.parallel_dims.build_mesh(device.type) if task.world_size > 1 else None
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # the meta model is not fake
+        fake_mode = (  # the meta model is not fake
+            routed_fake_mode(task.expert_load)
+            if model_spec(task.cfg.model).moe
+            else FakeTensorMode(allow_non_fake_inputs=True)
+        )
         step = build_step(
             task.cfg, task.parallel_dims, world_mesh, device, task.vocab, fake_mode, task.n_layers
         )
@@ -210,7 +216,13 @@ def peak_of(phases: Phases) -> Columns:
 
 
 def estimate_ranks(
-    cfg: JobConfig, parallel_dims: ParallelDims, world_size: int, device: torch.device, vocab: int, full: bool
+    cfg: JobConfig,
+    parallel_dims: ParallelDims,
+    world_size: int,
+    device: torch.device,
+    vocab: int,
+    full: bool,
+    expert_load: float = 1.0,
 ) -> RankEstimates:
     """Peak bytes per column of a steady-state step for the first rank of each pipeline rank (pp is
     the mesh's outermost dimension; without PP, rank 0 stands for all), and how they were obtained.
@@ -221,8 +233,9 @@ def estimate_ranks(
     from them (estimate_phases). Otherwise, every block of the model is alike, so each half of the
     step takes memory affine in the number of blocks: the halves are simulated on three smaller
     models and, when the three points are in line (checked to the byte), extrapolated to the
-    model's depth. Where neither applies, the whole step is simulated."""
-    job = SimulationTask(cfg, parallel_dims, world_size, device, vocab)
+    model's depth. Where neither applies, the whole step is simulated, as it is for a mixture of
+    experts, which routes as routing.py assumes, with `expert_load`."""
+    job = SimulationTask(cfg, parallel_dims, world_size, device, vocab, expert_load=expert_load)
     n_layers = flavor_args(cfg.model).n_layers
     ranks = [pp_rank * world_size // parallel_dims.pp for pp_rank in range(parallel_dims.pp)]
     if parallel_dims.pp_enabled and not full:
@@ -243,7 +256,12 @@ def estimate_ranks(
                     composed.update((r, phases) for r, (phases,) in zip(whole, simulate(tasks)))
                     how += f"; pipeline ranks {', '.join(map(str, whole))} simulated whole"
                 return RankEstimates([peak_of(composed[r]) for r in range(parallel_dims.pp)], how)
-    extrapolation = None if full else depth_samples(cfg, n_layers)
+    # A mixture of experts peaks at the end of backward (every layer's gradients, and the experts'
+    # gradients taking shape: GiBs above the optimizer step), a moment that outgrows the forward's
+    # peak only past the small models' depths, where the three points are still in line: not
+    # extrapolated.
+    moe = model_spec(cfg.model).moe
+    extrapolation = None if full or moe else depth_samples(cfg, n_layers)
     if extrapolation is not None:
         samples, num, den = extrapolation.samples, extrapolation.num, extrapolation.den
         tasks = [replace(job, cfg=s.cfg, n_layers=s.n_layers, rank=r) for r in ranks for s in samples]

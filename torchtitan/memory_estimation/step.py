@@ -11,6 +11,7 @@ import torch
 from torchtitan.config_manager import ConfigError, JobConfig, resolve_path
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.distributed import clip_grad_norm_
+from torchtitan.load_balance import LoadBalance
 from torchtitan.memory_estimation.torch_internals import FakeTensorMode
 from torchtitan.models import build_model_args, model_spec
 from torchtitan.models import vocab_size as padded_vocab_size
@@ -108,14 +109,23 @@ def build_step(
             model, world_mesh, parallel_dims, cfg, device, fake_mode, autocast, vocab_size
         )
     model_parts, pipeline = parallelize_model(model, world_mesh, parallel_dims, cfg, device, stage_io)
+    moe = model_spec(cfg.model).moe
     with fake_mode or contextlib.nullcontext():
         for part in model_parts:
             part.to_empty(device=device)  # the weights' values do not matter here
+            if moe and fake_mode is None:  # but a real run's routing does: a trained model's first
+                part.init_weights(seed=cfg.training.seed)
             part.train()
     optimizer = build_optimizer(model_parts, cfg.optimizer)
     params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
     pp_mesh = world_mesh["pp"] if parallel_dims.pp_enabled else None
-    train_step = TrainStep(model_parts, pipeline, parallel_dims, cfg.training, device)
+    load_balance = None
+    # A mixture of experts' auxiliary loss holds its router statistics' graph until backward. The bias
+    # update after the optimizer step (LoadBalance.step_done) takes a few bytes per expert: left out.
+    if moe:
+        dp_mesh = world_mesh[parallel_dims.dp_mesh_name()] if parallel_dims.dp_enabled else None
+        load_balance = LoadBalance(model_parts, cfg.moe, dp_mesh, pp_mesh)
+    train_step = TrainStep(model_parts, pipeline, parallel_dims, cfg.training, device, load_balance)
     # Later micro-batches of an accumulation are alike: the first and the last stand for them all.
     microbatches = min(train_step.grad_accum_steps, 2)
     shape = (cfg.training.batch_size, cfg.training.seq_len)

@@ -5,6 +5,10 @@ torch upgrade moved or reshaped.
 Imported:
 - torch._subclasses.fake_tensor: FakeTensorMode (the step's tensors allocate nothing) and
   unset_fake_temporarily (DTensor's shape propagation in a fake mode of its own).
+- torch.utils._mode_utils.no_dispatch: real tensors made inside the fake mode's dispatch.
+- torch.distributed.distributed_c10d._resolve_process_group: the group a functional collective names.
+- torch.ops._c10d_functional.all_to_all_single: the op expert parallelism exchanges its token counts
+  with, which routing.py answers.
 - torch.distributed._tools: MemTracker, FSDPMemTracker, ModTracker, the memory trackers.
 - torch.testing._internal.distributed.fake_pg.FakeStore: the store of the "fake" process group.
 - torch.distributed.pipelining.schedules._PipelineScheduleRuntime (and its _Action): the schedules
@@ -19,6 +23,10 @@ Overridden in the trackers below (PeakOnly, PeakTracker, PeakMemTracker, Forward
 - MemTracker._pre_fw_hook, FSDPMemTracker._fsdp_state_pre_forward and memory_tracking: forget a
   module's statistics when it runs forward again (micro-batches), which the trackers refuse.
 - FSDPMemTracker._root_mod: the modules it instruments, several for a rank's pipeline stages.
+- FakeTensorMode.dispatch and may_turn_const, FakeTensor.constant and the mode's
+  fake_tensor_converter.from_real_tensor(make_constant=True) (ValuedFakeTensorMode): fake tensors'
+  constant propagation, which keeps the values of integer tensors computed from known ones (a
+  mixture of experts' token counts, for the shapes that depend on them).
 
 Patched for the duration of a simulation (mock.patch):
 - PipelineStage._warmup_forward_vote / _warmup_backward_result: the stages' shape vote, which
@@ -41,28 +49,39 @@ from collections.abc import Callable, Iterator
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 from torch._C._autograd import _KinetoEvent
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import (
+    FakeTensor,
+    FakeTensorConverter,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed._tools.mod_tracker import ModTracker
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils import _pytree as pytree
+from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_map_only
 
 __all__ = [
     "FakeStore",
     "FakeTensorMode",
     "MemTracker",
+    "ValuedFakeTensorMode",
     "_PipelineScheduleRuntime",
     "check_torch_internals",
     "first_actions_only",
     "kineto_events",
     "new_tracker",
+    "process_group",
     "static_pipeline_vote",
     "traced_schedule_actions",
     "untracked_sharding_propagation",
@@ -135,6 +154,46 @@ class PeakMemTracker(PeakOnly, MemTracker):
         if not self._mod_tracker.is_bw:
             self.memory_tracking.pop(module, None)
         super()._pre_fw_hook(module, inputs)
+
+
+COLLECTIVES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+
+
+class ValuedFakeTensorMode(FakeTensorMode):
+    """A fake mode in which integer tensors keep their values when computed from known ones, so that
+    shapes that depend on them (a mixture of experts' rows per expert) can be known: fake tensors'
+    constant propagation, which FakeTensorMode limits to one element, for integer tensors of any size.
+    `overrides` maps ops whose result no fake tensor can tell (the counts of a routing, a collective
+    on the fake process group) to functions of the op's arguments, given with the values of those
+    known, that return a real result or None (then the op runs as usual)."""
+
+    def __init__(self, overrides: dict[torch._ops.OpOverload, Callable], **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.overrides = overrides
+
+    def may_turn_const(self, t: torch.Tensor) -> bool:
+        if not t.is_floating_point() and not t.is_complex() and t.device.type != "meta":
+            return not self.is_our_fake(t)
+        return super().may_turn_const(t)
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        if func in self.overrides:
+            known = [getattr(a, "constant", None) if self.is_our_fake(a) else a for a in args]
+            with no_dispatch():
+                result = self.overrides[func](args, known, kwargs or {})
+            if result is not None:
+                return self.fake_tensor_converter.from_real_tensor(self, result, make_constant=True)
+        if getattr(func, "namespace", None) in COLLECTIVES and any(
+            self.is_our_fake(t) and t.constant is not None and not t.is_floating_point()
+            for t in pytree.tree_leaves((args, kwargs))
+        ):  # constant propagation would run it on the fake process group, which leaves its output unset
+            raise NotImplementedError(f"{func} on known integers: no override tells its result")
+        return super().dispatch(func, types, args, kwargs)
+
+
+def process_group(group_name: str) -> dist.ProcessGroup:
+    """The process group a functional collective names."""
+    return _resolve_process_group(group_name)
 
 
 def new_tracker(model_parts: list[torch.nn.Module], optimizer: torch.optim.Optimizer) -> MemTracker:
@@ -228,6 +287,16 @@ EXPECTED_CALLABLES = [
     (_KinetoEvent, "nbytes", None),
     (_KinetoEvent, "start_ns", None),
     (_KinetoEvent, "end_ns", None),
+    (FakeTensorMode, "dispatch", ("self", "func", "types", "args", "kwargs")),
+    (FakeTensorMode, "may_turn_const", ("self", "t")),
+    (FakeTensorMode, "is_our_fake", ("self", "t")),
+    (
+        FakeTensorConverter,
+        "from_real_tensor",
+        ("self", "fake_mode", "t", "make_constant", "shape_env", "source", "symbolic_context", "trace"),
+    ),
+    (dist.distributed_c10d, "_resolve_process_group", None),
+    (torch.ops._c10d_functional, "all_to_all_single", None),
 ]
 # (owner, attributes its instances are given in its module's code)
 EXPECTED_ATTRIBUTES = [
@@ -235,6 +304,8 @@ EXPECTED_ATTRIBUTES = [
     (FSDPMemTracker, ("_root_mod",)),
     (_PipelineScheduleRuntime, ("pipeline_order_with_comms", "_internal_losses", "rank")),
     (torch.autograd.profiler.profile, ("kineto_results",)),
+    (FakeTensorMode, ("fake_tensor_converter",)),
+    (FakeTensor, ("constant",)),
 ]
 
 

@@ -81,10 +81,10 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
         # With `keep_router_stats`, the last training forward's (assignments per expert, sum of router
-        # probabilities per expert, tokens): the auxiliary loss's statistics, the second carrying the
+        # probabilities per expert): the auxiliary loss's statistics, the second carrying the
         # router's gradient (and holding its graph until the loss takes it).
         self.keep_router_stats = False
-        self.router_stats: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self.router_stats: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def init_weights(self, init_std: float) -> None:
         trunc_normal_(self.router.weight, std=0.02)
@@ -126,7 +126,7 @@ class MoE(nn.Module):
         counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
         if self.training and _training_forward():
             if self.keep_router_stats:
-                self.router_stats = (counts.detach().float(), probs.sum(0), tokens.shape[0])
+                self.router_stats = (counts.detach().float(), probs.sum(0))
             with torch.no_grad():
                 self.tokens_per_expert += counts
         # The pairs grouped by expert; a stable sort keeps tokens in order within one.

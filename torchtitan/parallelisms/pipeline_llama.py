@@ -7,7 +7,6 @@ checkpoints do not depend on the pipeline layout.
 """
 
 import copy
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,10 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineSchedule, get_schedule_class
 
 from torchtitan.config_manager import ConfigError, JobConfig
+from torchtitan.models import model_spec
+from torchtitan.models.moe import MoE
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.parallelize_llama import parallelize_llama
 from torchtitan.parallelisms.pipeline_layout import (
@@ -38,11 +40,14 @@ StageLoss = Callable[[nn.Module | None, torch.Tensor, torch.Tensor], torch.Tenso
 @dataclass
 class Pipeline:
     """This rank's part of a pipeline: the schedule that runs its stages, and whether it holds the
-    model's ends (the first stage takes the tokens; only the last stage computes the loss)."""
+    model's ends (the first stage takes the tokens; only the last stage computes the loss).
+    `aux_loss((token, choice) counts, router probability sums)`, pooled over every stage's sparse
+    layers: the auxiliary loss the last stage adds to each micro-batch's (set by the train step)."""
 
     schedule: _PipelineSchedule
     has_first_stage: bool
     has_last_stage: bool
+    aux_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 def split_model(model: nn.Module, layers: range, is_first: bool, is_last: bool) -> nn.Module:
@@ -62,7 +67,10 @@ def split_model(model: nn.Module, layers: range, is_first: bool, is_last: bool) 
 class _Stage(PipelineStage):
     """torch's PipelineStage whose first-step shape inference, a real forward (and backward) on the
     first micro-batch or on uninitialised tensors, leaves the model's buffers as they were: a
-    mixture-of-experts layer counts the tokens its experts take in one (torchtitan/models/moe.py)."""
+    mixture-of-experts layer counts the tokens its experts take in one (torchtitan/models/moe.py).
+    `inferring` tells the loss that it runs for the inference, not for a step."""
+
+    inferring = False
 
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
         saved = [(buffer, buffer._version, buffer.clone()) for buffer in self.submod.buffers()]
@@ -73,6 +81,45 @@ class _Stage(PipelineStage):
                 for buffer, version, value in saved:
                     if buffer._version != version:
                         buffer.copy_(value)
+
+    def _backward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        self.inferring = True
+        try:
+            return super()._backward_metadata_inference(*args, **kwargs)
+        finally:
+            self.inferring = False
+
+
+class RouterStatsStage(nn.Module):
+    """A stage's model that passes its micro-batch's router statistics on to the next stage: the
+    auxiliary loss pools every sparse layer's (torchtitan/load_balance.py), which the stages hold
+    apart. Beside the activations travel the (token, choice) counts per expert (integers: no
+    gradient) and the sums of router probabilities per expert (float32, with their gradient: the last
+    stage's auxiliary loss sends each stage's router its share back through the pipeline)."""
+
+    def __init__(self, part: nn.Module, num_experts: int) -> None:
+        super().__init__()
+        self.part = part
+        self.num_experts = num_experts
+        self.moe_layers = [m for m in part.modules() if isinstance(m, MoE)]
+
+    def forward(
+        self, x: torch.Tensor, *router_stats: torch.Tensor, **kwargs: Any
+    ) -> tuple[torch.Tensor, ...]:
+        if router_stats:
+            counts, prob_sums = router_stats
+            prob_sums = prob_sums.clone()
+        else:  # the first stage: a leaf that needs a gradient, as the stage's outputs must
+            counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+            prob_sums = torch.zeros(self.num_experts, device=x.device, requires_grad=torch.is_grad_enabled())
+        out = self.part(x, **kwargs)
+        for layer in self.moe_layers:
+            if layer.router_stats is not None:  # training forwards only
+                layer_counts, layer_prob_sums = layer.router_stats
+                layer.router_stats = None
+                counts = counts + layer_counts.long()
+                prob_sums = prob_sums + layer_prob_sums
+        return out, counts, prob_sums
 
 
 def pipeline_llama(
@@ -97,22 +144,55 @@ def pipeline_llama(
     n_microbatches = num_microbatches(job_config, len(layers))
     ids = stage_ids(pp_mesh.get_local_rank(), pp_mesh.size(), len(layers) // pp_mesh.size(), schedule_name)
 
+    # A mixture of experts' auxiliary loss pools the router statistics of every stage's layers.
+    carry_router_stats = model_spec(job_config.model).moe and job_config.moe.aux_loss_coef > 0
     stages, model_parts = [], []
     for stage_id in ids:
         is_first, is_last = stage_id == 0, stage_id == len(layers) - 1
-        part = split_model(model, layers[stage_id], is_first, is_last)
-        part = parallelize_llama(part, world_mesh, parallel_dims, job_config)
+        part = parallelize_llama(
+            split_model(model, layers[stage_id], is_first, is_last), world_mesh, parallel_dims, job_config
+        )
+        module = part
         inputs, outputs = stage_io(stage_id) if stage_io else (None, None)
-        stages.append(_Stage(part, stage_id, len(layers), device, inputs, outputs, group=pp_mesh.get_group()))
+        if carry_router_stats:
+            module = RouterStatsStage(part, model.model_args.num_experts)
+            if isinstance(part, FSDPModule):
+                # Pipelining drives FSDP through the stage's module (gradient sync, the last reduce):
+                # the wrapper becomes the root unit, with no parameters and casting no inputs (the
+                # statistics stay in float32).
+                mesh = fully_shard.state(part)._fsdp_param_group.mesh_info.mesh
+                fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy(cast_forward_inputs=False))
+            if stage_io:
+                num_experts = model.model_args.num_experts
+                stats = (outputs.new_zeros(num_experts, dtype=torch.int64), outputs.new_zeros(num_experts))
+                inputs = inputs if is_first else (inputs, *stats)
+                outputs = (outputs, *stats)
+        stages.append(
+            _Stage(module, stage_id, len(layers), device, inputs, outputs, group=pp_mesh.get_group())
+        )
         model_parts.append(part)
 
-    last_stage = model_parts[ids.index(len(layers) - 1)] if len(layers) - 1 in ids else None
+    last_stage_id = len(layers) - 1
+    last_part = model_parts[ids.index(last_stage_id)] if last_stage_id in ids else None
+    last_stage = stages[ids.index(last_stage_id)] if last_stage_id in ids else None
+
+    def last_stage_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
+        if not carry_router_stats:
+            return loss_fn(last_part, output, labels)
+        output, counts, prob_sums = output
+        loss = loss_fn(last_part, output, labels)
+        if pipeline.aux_loss is None or not torch.is_grad_enabled() or last_stage.inferring:
+            return loss
+        aux_loss = pipeline.aux_loss(counts, prob_sums)
+        # The gradient gains the auxiliary loss's; the value stays the language model's loss (logged).
+        return loss + (aux_loss - aux_loss.detach())
+
     schedule_cls = get_schedule_class(schedule_name)
     try:
         schedule = schedule_cls(
             stages[0] if schedule_name in SINGLE_STAGE_SCHEDULES else stages,
             n_microbatches=n_microbatches,
-            loss_fn=functools.partial(loss_fn, last_stage),
+            loss_fn=last_stage_loss,
         )
     except ValueError as e:
         raise ConfigError(
@@ -120,4 +200,5 @@ def pipeline_llama(
             f"micro-batches on {len(layers)} stages ({' '.join(str(e).split())}); "
             "change parallelism.pipeline_parallel_microbatches"
         ) from None
-    return Pipeline(schedule, 0 in ids, len(layers) - 1 in ids), model_parts
+    pipeline = Pipeline(schedule, 0 in ids, last_stage_id in ids)
+    return pipeline, model_parts
