@@ -190,6 +190,9 @@ MATRIX = [
     Layout("Qwen3-MoE: EP 2 x TP 2", 4, 2, 4, ep(2) + tp(2), QWEN3_MOE),
     Layout("Qwen3-MoE bias: EP 2 x TP 2", 4, 2, 4, ep(2) + tp(2), QWEN3_MOE_BIAS),
     Layout("Qwen3-MoE: FSDP 2 x TP 2", 4, 2, 4, tp(2), QWEN3_MOE),
+    Layout("Qwen3-MoE: FSDP 2 x TP 2 + AC selective op", 4, 2, 4, tp(2) + AC_OP, QWEN3_MOE),
+    Layout("Qwen3-MoE: EP 2 + AC selective op", 2, 2, 4, ep(2) + AC_OP, QWEN3_MOE),
+    Layout("Qwen3-MoE: EP 2 + compile + AC selective op", 2, 2, 4, ep(2) + COMPILE + AC_OP, QWEN3_MOE),
     Layout(
         "Qwen3-MoE: EP 2 x TP 2 + AC full + chunked loss",
         4,

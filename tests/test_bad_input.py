@@ -490,21 +490,6 @@ CASES = [
         "parallelism.expert_parallel_degree: 2 does not divide data_parallel_shard_degree 3",
         env={"WORLD_SIZE": "3"},
     ),
-    Case(
-        "EP with selective op AC",
-        args(
-            "--model.name",
-            "qwen3_moe",
-            "--parallelism.expert_parallel_degree",
-            "2",
-            "--activation_checkpoint.mode",
-            "selective",
-            "--activation_checkpoint.selective_ac_option",
-            "op",
-        ),
-        "activation_checkpoint.selective_ac_option: 'op' cannot recompute a block under expert parallelism",
-        env={"WORLD_SIZE": "2"},
-    ),
     # Validation data (checked before the first training step)
     Case(
         "missing validation dataset",

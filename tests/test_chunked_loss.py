@@ -15,6 +15,7 @@ from scripts.parity_matrix import (
     QWEN3_MOE_BIAS,
     QWEN3_UNTIED,
     Layout,
+    ep,
     run_layout,
     tp,
 )
@@ -90,8 +91,9 @@ def test_loss_parallel_and_pipeline_parallelism_are_accepted():
 
 
 # Qwen3 (per-head q/k norms under TP; its block plan is Llama's plus those) on FSDP x TP, and Qwen3-MoE
-# compiled (its dense first block whole, its MoE blocks around the expert dispatch): the shared FSDP x
-# TP + selective AC and compile + selective AC paths, each with the chunked loss.
+# compiled under EP (its dense first block whole, its MoE blocks around the expert dispatch, the
+# experts' FSDP unit gathering again in the recompute): the shared FSDP x TP + selective AC and compile
+# + selective AC paths, each with the chunked loss.
 CHUNKED_LAYOUTS = [
     Layout(
         "Qwen3 untied: FSDP 2 x TP 2 (loss parallel) + GA 2 + AC selective op + chunked loss, reshard always",
@@ -102,11 +104,11 @@ CHUNKED_LAYOUTS = [
         QWEN3_UNTIED,
     ),
     Layout(
-        "Qwen3-MoE bias: compile + AC selective op + chunked loss",
-        1,
+        "Qwen3-MoE bias: EP 2 + compile + AC selective op + chunked loss",
+        2,
+        2,
         4,
-        4,
-        COMPILE + AC_OP + CHUNKED_LOSS,
+        ep(2) + COMPILE + AC_OP + CHUNKED_LOSS,
         QWEN3_MOE_BIAS,
     ),
 ]

@@ -106,13 +106,6 @@ def check_moe(job_config: JobConfig, parallel_dims: ParallelDims, model_args: Mo
             f"model.flavor: {name} {job_config.model.flavor} routes each token to {model_args.top_k} of "
             f"{model_args.num_experts} experts; top_k must be at most num_experts"
         )
-    ac = job_config.activation_checkpoint
-    if parallel_dims.ep_enabled and ac.mode == "selective" and ac.selective_ac_option == "op":
-        raise ConfigError(
-            "activation_checkpoint.selective_ac_option: 'op' cannot recompute a block under expert "
-            "parallelism yet (its experts' FSDP unit gathers again inside the recompute); use a block "
-            "interval such as 2, or activation_checkpoint.mode full"
-        )
     if model_args.num_experts % parallel_dims.ep:
         raise ConfigError(
             f"parallelism.expert_parallel_degree: {parallel_dims.ep} does not divide the "

@@ -47,11 +47,15 @@ class GroupedExperts(nn.Module):
         """x: (tokens, dim), sorted by expert, `tokens_per_expert[e]` rows for expert e (of the experts
         held here). One matmul per expert, in the parameters' dtype: the same sums on every device.
         Under expert parallelism the weights are this rank's shard of a DTensor (its experts)."""
-        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        # Unbound once: indexing w[e] per expert would make its backward build a full-size gradient
+        # for each expert (num_experts copies of every weight); unbind's backward stacks them once.
+        w1, w2, w3 = (
+            (w.to_local() if isinstance(w, DTensor) else w).unbind(0) for w in (self.w1, self.w2, self.w3)
+        )
         outputs = []
-        for e, rows in enumerate(torch.split(x, tokens_per_expert)):
-            h = F.silu(rows @ w1[e].transpose(0, 1)) * (rows @ w3[e].transpose(0, 1))
-            outputs.append(h @ w2[e].transpose(0, 1))
+        for rows, gate, down, up in zip(torch.split(x, tokens_per_expert), w1, w2, w3):
+            h = F.silu(rows @ gate.transpose(0, 1)) * (rows @ up.transpose(0, 1))
+            outputs.append(h @ down.transpose(0, 1))
         return torch.cat(outputs)
 
 

@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtitan.config_manager import JobConfig
 from torchtitan.models import model_spec
@@ -173,6 +173,18 @@ _SAVE_LIST = {
     # Expert parallelism's token exchange: recomputing it would repeat the all-to-all.
     torch.ops._c10d_functional.all_to_all_single.default,
 }
+
+
+# FSDP marks its hooks' work with record_function. A unit nested in a checkpointed block (the experts
+# under EP) runs them there, a different number of times in the recompute than in the forward (its
+# parameters are gathered again); they compute nothing, so selective checkpointing may skip them as it
+# skips `detach`.
+SAC_IGNORED_OPS.update(
+    {
+        torch.ops.profiler._record_function_enter_new.default,
+        torch.ops.profiler._record_function_exit._RecordFunction,
+    }
+)
 
 
 def _op_policy() -> Callable:
