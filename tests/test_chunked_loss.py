@@ -12,7 +12,7 @@ from scripts.parity_matrix import (
     CHUNKED_LOSS,
     COMPILE,
     FSDP_KNOBS,
-    QWEN3_MOE_BIAS,
+    QWEN3_MOE_BOTH,
     QWEN3_UNTIED,
     Layout,
     ep,
@@ -104,12 +104,12 @@ CHUNKED_LAYOUTS = [
         QWEN3_UNTIED,
     ),
     Layout(
-        "Qwen3-MoE bias: EP 2 + compile + AC selective op + chunked loss",
+        "Qwen3-MoE aux + bias: EP 2 + compile + AC selective op + chunked loss",
         2,
         2,
         4,
         ep(2) + COMPILE + AC_OP + CHUNKED_LOSS,
-        QWEN3_MOE_BIAS,
+        QWEN3_MOE_BOTH,
     ),
 ]
 

@@ -1,10 +1,12 @@
 """Loss parity with 1 process of the composed layouts, the CI part of scripts/parity_matrix.py.
 
 Each run composes several techniques so that few launches cover them all (4-process launches and a
-cold torch.compile cost most): any one of them going wrong breaks its run's parity; FSDP 2 alone, the
-plain data-parallel case, is here too. DDP's accumulation is checked in test_parallelisms.py. The script
-runs each technique on its own as well, and DDP and AC every N-th block. The references (conftest.py's
-reference_run) are shared with test_train.py, test_pipeline.py and test_chunked_loss.py."""
+cold torch.compile cost most): any one of them going wrong breaks its run's parity. FSDP alone (in HSDP
+here, inside pipeline stages in test_pipeline.py), Llama's TP with loss parallel and AC (Qwen3's block
+plan extends it: the MoE layout below, test_pipeline.py's PP x TP) and TP with gradient accumulation
+(test_chunked_loss.py) are in other runs. DDP's accumulation is checked in test_parallelisms.py. The
+script runs each technique on its own as well, and DDP and AC every N-th block. The references
+(conftest.py's reference_run) are shared with test_train.py, test_pipeline.py and test_chunked_loss.py."""
 
 import pytest
 
@@ -12,7 +14,6 @@ from scripts.parity_matrix import (
     AC_FULL,
     CHUNKED_LOSS,
     FSDP_KNOBS,
-    QWEN3_MOE,
     QWEN3_MOE_BOTH,
     QWEN3_UNTIED,
     Layout,
@@ -27,28 +28,26 @@ STEPS = 10  # reference_run's
 MICROBATCHES_4 = ("--parallelism.pipeline_parallel_microbatches", "4")
 TOL = 1e-5
 CI_LAYOUTS = [
-    Layout("FSDP 2", 2, 2, 4),
-    Layout("TP 2 (SP, loss parallel) + GA 2 + AC full", 2, 2, 4, tp(2) + AC_FULL),
     Layout("HSDP 2x2 + GA 2, reshard always, prefetch 2", 4, 1, 8, replicate(2) + FSDP_KNOBS),
     # Qwen3's per-head q/k norms under FSDP x TP with selective AC: test_chunked_loss.py (its block
     # plan extends Llama's); tied embeddings: test_parallelisms.py on FSDP x TP, test_qwen3_resume.py.
     # Pipelines (their code is any family's): 1F1B on 4 micro-batches.
     Layout("Qwen3 untied: PP 2, 1F1B, 4 micro-batches", 2, 4, 4, pp(2) + MICROBATCHES_4, QWEN3_UNTIED),
-    # Qwen3-MoE (docs/moe.md): expert parallelism with TP 2 on attention (each tp rank routes its own
-    # sequence shard), the auxiliary loss, activations recomputed (the all-to-alls too) and the chunked
-    # loss; PP x EP with both balancing methods: the stages pass the router statistics on for the
-    # auxiliary loss, and take the bias through their first-step shape inference unchanged (one
-    # micro-batch: a pipeline's auxiliary loss is each micro-batch's, so with more it equals one process
-    # accumulating the same micro-batches, scripts/parity_matrix.py's PP layouts). Compile:
-    # test_chunked_loss.py. EP 2 on FSDP 4, worst-case routing and
-    # one EP 2 x TP 2 step's every gradient: test_parallelisms.py; EP 2 alone: test_moe_resume.py.
+    # Qwen3-MoE (docs/moe.md), both balancing methods on (one reference): expert parallelism with TP 2
+    # on attention and its dense first layer (each tp rank routes its own sequence shard), activations
+    # recomputed (the all-to-alls too) and the chunked loss; PP x EP: the stages pass the router
+    # statistics on for the auxiliary loss, and take the bias through their first-step shape inference
+    # unchanged (one micro-batch: a pipeline's auxiliary loss is each micro-batch's, so with more it
+    # equals one process accumulating the same micro-batches, scripts/parity_matrix.py's PP layouts).
+    # Compile and selective op AC under EP: test_chunked_loss.py. EP 2 on FSDP 4, worst-case routing
+    # and one EP 2 x TP 2 step's every gradient: test_parallelisms.py; EP 2 alone: test_moe_resume.py.
     Layout(
-        "Qwen3-MoE: EP 2 x TP 2 + AC full + chunked loss",
+        "Qwen3-MoE aux + bias: EP 2 x TP 2 + AC full + chunked loss",
         4,
         2,
         4,
         ep(2) + tp(2) + AC_FULL + CHUNKED_LOSS,
-        QWEN3_MOE,
+        QWEN3_MOE_BOTH,
     ),
     Layout(
         "Qwen3-MoE aux + bias: PP 2 x EP 2, GPipe, 1 micro-batch",
