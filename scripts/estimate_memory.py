@@ -43,35 +43,34 @@ from torchtitan.memory_estimation.report import estimate  # noqa: E402
 from torchtitan.reliability.errors import run_with_exit_codes  # noqa: E402
 
 
-def split_config_files(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(the --job.config_file values, the other arguments)."""
-    files, rest, i = [], [], 0
+def take_option(argv: list[str], name: str) -> tuple[list[str], list[str]]:
+    """(the values of `name`, given as "name value" or "name=value"; the other arguments). A last
+    `name` with no value stays among the others."""
+    values, rest, i = [], [], 0
     while i < len(argv):
-        if argv[i] == "--job.config_file" and i + 1 < len(argv):
-            files.append(argv[i + 1])
+        if argv[i] == name and i + 1 < len(argv):
+            values.append(argv[i + 1])
             i += 2
             continue
-        if argv[i].startswith("--job.config_file="):
-            files.append(argv[i].split("=", 1)[1])
+        if argv[i].startswith(f"{name}="):
+            values.append(argv[i].split("=", 1)[1])
         else:
             rest.append(argv[i])
         i += 1
-    return files, rest
+    return values, rest
+
+
+def split_config_files(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the --job.config_file values, the other arguments)."""
+    return take_option(argv, "--job.config_file")
 
 
 def pop_expert_load(argv: list[str]) -> tuple[float, list[str]]:
     """(--expert-load F, default 1: balanced routing; the other arguments)."""
-    loads, rest, i = [], [], 0
-    while i < len(argv):
-        if argv[i] == "--expert-load":
-            loads.append(argv[i + 1] if i + 1 < len(argv) else "")
-            i += 2
-            continue
-        if argv[i].startswith("--expert-load="):
-            loads.append(argv[i].split("=", 1)[1])
-        else:
-            rest.append(argv[i])
-        i += 1
+    loads, rest = take_option(argv, "--expert-load")
+    if rest and rest[-1] == "--expert-load":
+        loads.append("")
+        rest = rest[:-1]
     try:
         load = float(loads[-1]) if loads else 1.0
     except ValueError:

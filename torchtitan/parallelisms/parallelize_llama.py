@@ -61,8 +61,6 @@ def parallelize_llama(
         reduce_dtype=DTYPES[job_config.training.mixed_precision_reduce],
     )
     if parallel_dims.dp_shard_enabled:
-        # A 2-D (replicate, shard) mesh makes fully_shard do HSDP.
-        dp_dims = ("dp_replicate", "dp_shard") if parallel_dims.dp_replicate_enabled else ("dp_shard",)
         if par.fsdp_reshard_after_forward == "default":
             # With PP each micro-batch would gather the stage's parameters again.
             reshard = False if parallel_dims.pp_enabled else "all_but_last"
@@ -70,7 +68,7 @@ def parallelize_llama(
             reshard = par.fsdp_reshard_after_forward == "always"
         apply_fsdp(
             model,
-            world_mesh[dp_dims],
+            fsdp_mesh(world_mesh, parallel_dims),
             mp_policy,
             reshard_after_forward=reshard,
             forward_prefetch=par.fsdp_forward_prefetch,
@@ -82,6 +80,12 @@ def parallelize_llama(
     elif parallel_dims.dp_replicate_enabled:
         apply_ddp(model, world_mesh["dp_replicate"], mp_policy)
     return model
+
+
+def fsdp_mesh(world_mesh: DeviceMesh, parallel_dims: ParallelDims) -> DeviceMesh:
+    """The mesh FSDP shards blocks over: a 2-D (replicate, shard) one makes fully_shard do HSDP."""
+    dims = ("dp_replicate", "dp_shard") if parallel_dims.dp_replicate_enabled else ("dp_shard",)
+    return world_mesh[dims]
 
 
 def apply_tp(

@@ -22,7 +22,7 @@ from torchtitan.config_manager import ConfigError, JobConfig
 from torchtitan.models import model_spec
 from torchtitan.models.moe import MoE
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.parallelize_llama import parallelize_llama
+from torchtitan.parallelisms.parallelize_llama import fsdp_mesh, parallelize_llama
 from torchtitan.parallelisms.pipeline_layout import (
     SINGLE_STAGE_SCHEDULES,
     num_microbatches,
@@ -160,8 +160,11 @@ def pipeline_llama(
                 # Pipelining drives FSDP through the stage's module (gradient sync, the last reduce):
                 # the wrapper becomes the root unit, with no parameters and casting no inputs (the
                 # statistics stay in float32).
-                mesh = fully_shard.state(part)._fsdp_param_group.mesh_info.mesh
-                fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy(cast_forward_inputs=False))
+                fully_shard(
+                    module,
+                    mesh=fsdp_mesh(world_mesh, parallel_dims),
+                    mp_policy=MixedPrecisionPolicy(cast_forward_inputs=False),
+                )
             if stage_io:
                 num_experts = model.model_args.num_experts
                 stats = (outputs.new_zeros(num_experts, dtype=torch.int64), outputs.new_zeros(num_experts))
