@@ -20,6 +20,7 @@ from torchtitan.distributed import (
     init_distributed,
     set_collective_timeout,
 )
+from torchtitan.errors import EXIT_OK, bad_input
 from torchtitan.load_balance import LoadBalance
 from torchtitan.logging import init_logger, logger
 from torchtitan.metrics import MetricLogger, peak_flops
@@ -29,7 +30,6 @@ from torchtitan.parallelisms.float8 import precompute_float8_scales, precomputes
 from torchtitan.parallelisms.parallelize_llama import DTYPES
 from torchtitan.profiling import maybe_enable_profilers
 from torchtitan.reliability.entry import run_job
-from torchtitan.reliability.errors import EXIT_OK, bad_input
 from torchtitan.reliability.guards import NonFiniteGuard, StopRequest
 from torchtitan.train_step import TrainStep, parallelize_model
 from torchtitan.validation import Validator
@@ -195,7 +195,7 @@ def main(job_config: JobConfig) -> int:
 
 
 def run(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit code (torchtitan/reliability/errors.py lists them). Bad input, a
+    """Entry point; returns the exit code (torchtitan/errors.py lists them). Bad input, a
     non-finite step and a failed collective are one line on stderr; TITAN_DEBUG=1 shows a traceback."""
     return run_job(main, argv)
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from torchtitan.config_manager import ConfigError  # noqa: E402
-from torchtitan.reliability.errors import run_with_exit_codes  # noqa: E402
-from torchtitan.reliability.paths import check_file, check_output_file  # noqa: E402
+from torchtitan.errors import run_with_exit_codes  # noqa: E402
+from torchtitan.paths import check_file, check_output_file  # noqa: E402
 
 # (metrics.jsonl key, panel title) for the 2 x 2 grid.
 PANELS = [

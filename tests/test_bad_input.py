@@ -22,7 +22,7 @@ from launch import ROOT, TINY_JOB, run_train_in_process
 
 from torchtitan.checkpoint_checksums import MANIFEST
 from torchtitan.datasets.pretokenized import pretokenize
-from torchtitan.reliability.safe_dcp import SafeLoadPlanner, SafeReader, read_checkpoint
+from torchtitan.safe_dcp import SafeLoadPlanner, SafeReader, read_checkpoint
 
 CKPT = ["--checkpoint.enable_checkpoint", "true"]
 

@@ -18,9 +18,9 @@ from test_checkpoint import Run, folder_names
 
 from torchtitan.checkpoint_checksums import ChecksumWriter
 from torchtitan.config_manager import JobConfig
+from torchtitan.errors import CheckpointWriteError
 from torchtitan.logging import logger
 from torchtitan.metrics import MetricLogger
-from torchtitan.reliability.errors import CheckpointWriteError
 
 JOB = ["--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "2", "--training.steps", "6"]
 LAUNCHER = "torchtitan.reliability.launcher"  # as run_llama_train.sh starts train.py

@@ -16,9 +16,9 @@ from torch.distributed.checkpoint.utils import _wrap_exception
 
 from scripts import chaos
 from torchtitan.config_manager import CommConfig
-from torchtitan.reliability.errors import comm_failure_message
+from torchtitan.errors import comm_failure_message
 from torchtitan.reliability.guards import StopRequest
-from torchtitan.reliability.safe_dcp import read_checkpoint
+from torchtitan.safe_dcp import read_checkpoint
 
 # The jobs here are scripts/chaos.py's without the validation pass over the whole held-out split that
 # ends a run (8 to 12 s of a 2-rank run): no assertion in this file reads it, and a resumed run

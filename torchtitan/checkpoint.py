@@ -41,9 +41,9 @@ from torchtitan.checkpoint_folder import (
     list_checkpoints,
 )
 from torchtitan.config_manager import ConfigError, JobConfig
+from torchtitan.errors import CheckpointWriteError, os_error_behind
 from torchtitan.logging import logger
-from torchtitan.reliability.errors import CheckpointWriteError, os_error_behind
-from torchtitan.reliability.safe_dcp import SafeLoadPlanner, SafeReader, read_checkpoint, saved_entries
+from torchtitan.safe_dcp import SafeLoadPlanner, SafeReader, read_checkpoint, saved_entries
 
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -187,7 +187,7 @@ def load_states(states: dict[str, Stateful], path: str, parts: list[str]) -> Non
     try:
         dcp.load(
             {part: states[part] for part in parts},
-            storage_reader=SafeReader(path),  # runs no code from the files (reliability/safe_dcp.py)
+            storage_reader=SafeReader(path),  # runs no code from the files (torchtitan/safe_dcp.py)
             planner=SafeLoadPlanner(),
         )
     except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException

@@ -7,6 +7,7 @@ import os
 import re
 
 from torchtitan.config_manager import CheckpointConfig, ConfigError, JobConfig
+from torchtitan.paths import check_folder, shown
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 # Folders of a save or a deletion cut short; never loaded, removed at start.
@@ -19,6 +20,14 @@ def checkpoint_folder(job_config: JobConfig) -> str:
 
 def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def check_checkpoint(option: str, path: str) -> None:
+    """A complete DCP checkpoint folder (a step-N folder with its .metadata)."""
+    fix = "give a DCP checkpoint folder, e.g. outputs/checkpoint/step-100"
+    check_folder(option, path, fix=fix)
+    if not is_complete(path):
+        raise ConfigError(f"{option}: {shown(path)} is not a complete DCP checkpoint (no .metadata); {fix}")
 
 
 def list_checkpoints(folder: str) -> list[int]:

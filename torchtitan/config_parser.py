@@ -14,7 +14,7 @@ from dataclasses import fields
 from typing import Any, Union
 
 from torchtitan.config_manager import ConfigError, JobConfig, default_of
-from torchtitan.reliability.paths import check_file, shown
+from torchtitan.paths import check_file, shown
 
 try:
     import tomllib

@@ -16,9 +16,9 @@ from torchtitan.config_manager import ConfigError, JobConfig
 from torchtitan.datasets.hf_datasets import build_hf_data_loader
 from torchtitan.datasets.tokenizer import AnyTokenizer
 from torchtitan.distributed import dist_mean, dist_sum
+from torchtitan.errors import bad_input
 from torchtitan.models import vocab_size
 from torchtitan.parallelisms.parallel_dims import Meshes
-from torchtitan.reliability.errors import bad_input
 from torchtitan.train_step import TrainStep
 
 

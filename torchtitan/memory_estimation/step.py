@@ -11,6 +11,7 @@ import torch
 from torchtitan.config_manager import ConfigError, JobConfig, resolve_path
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.distributed import clip_grad_norm_
+from torchtitan.errors import bad_input
 from torchtitan.load_balance import LoadBalance
 from torchtitan.memory_estimation.torch_internals import FakeTensorMode
 from torchtitan.models import build_model_args, model_spec
@@ -20,7 +21,6 @@ from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.parallelize_llama import parallelize_llama
 from torchtitan.parallelisms.pipeline_layout import num_microbatches, stage_layers
 from torchtitan.parallelisms.pipeline_llama import StageIO, split_model
-from torchtitan.reliability.errors import bad_input
 from torchtitan.train_step import TrainStep, autocast_context, parallelize_model
 
 

@@ -1,9 +1,12 @@
-"""What keeps a run's work safe and its failures short, in one place:
+"""The entry points' side of reliability, in one place:
 
-- errors.py: the exit codes and the one-line error contract every entry point keeps;
 - preflight.py: the torch-free checks of a job, run before any worker starts;
 - launcher.py: torchrun that forwards preemption signals and passes on the failed rank's code;
-- guards.py: in the loop, preemption (save and stop) and non-finite steps;
-- safe_dcp.py: reading checkpoints without running code from them.
+- entry.py: the shape every job entry point shares (parse, preflight, hold the dump folder, run);
+- dump_lock.py: one job per dump folder;
+- guards.py: in the loop, preemption (save and stop) and non-finite steps.
 
-Importing this package, errors, preflight or launcher does not import torch."""
+The exit codes and the one-line error contract are torchtitan/errors.py's, the path rules
+torchtitan/paths.py's and checkpoint reading that runs no code torchtitan/safe_dcp.py's, outside this
+package: the layers listed before reliability in docs/architecture.md use them, and import nothing from
+here. Importing this package, preflight or launcher does not import torch."""

@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from torchtitan.config_manager import JobConfig
 from torchtitan.config_parser import parse_args
+from torchtitan.errors import run_with_exit_codes
 from torchtitan.reliability.dump_lock import DumpFolderLock
-from torchtitan.reliability.errors import run_with_exit_codes
 from torchtitan.reliability.preflight import check_job
 
 

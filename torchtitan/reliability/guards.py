@@ -1,5 +1,5 @@
 """What keeps a weeks-long run from losing work in the loop: preemption signals and non-finite steps.
-The exit codes these lead to are listed in torchtitan/reliability/errors.py and the README."""
+The exit codes these lead to are listed in torchtitan/errors.py and the README."""
 
 import math
 import signal
@@ -8,8 +8,8 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from torchtitan.errors import EXIT_PREEMPTED, NonFiniteError
 from torchtitan.logging import logger
-from torchtitan.reliability.errors import EXIT_PREEMPTED, NonFiniteError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 

@@ -18,7 +18,7 @@ import signal
 import sys
 from types import FrameType
 
-from torchtitan.reliability.errors import (
+from torchtitan.errors import (
     EXIT_BAD_INPUT,
     EXIT_CHECKPOINT_WRITE,
     EXIT_COMM_FAILURE,

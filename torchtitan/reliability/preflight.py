@@ -1,7 +1,7 @@
 """Checks of a job that need no torch, so that a bad option, file or folder stops it in a fraction of a
 second with one line, before any worker starts: run_llama_train.sh runs them before importing torch
 (`python -m torchtitan.reliability.preflight`), and train.py runs them first thing however it is
-started. The rules between options are torchtitan/config_rules.py's; the exit codes errors.py's."""
+started. The rules between options are torchtitan/config_rules.py's; the exit codes torchtitan/errors.py's."""
 
 import importlib.util
 import os
@@ -13,16 +13,16 @@ from torchtitan.config_manager import ConfigError, JobConfig, resolve_path
 from torchtitan.config_parser import parse_args
 from torchtitan.config_rules import check_float8, check_layout, check_lr_schedule, mixture_sources
 from torchtitan.datasets.registry import DATASETS
+from torchtitan.errors import EXIT_BAD_INPUT, EXIT_OK, debug_enabled
 from torchtitan.models import flavor_args
-from torchtitan.reliability.dump_lock import check_unlocked
-from torchtitan.reliability.errors import EXIT_BAD_INPUT, EXIT_OK, debug_enabled
-from torchtitan.reliability.paths import (
+from torchtitan.paths import (
     check_dataset_path,
     check_file,
     check_folder,
     check_writable_folder,
     shown,
 )
+from torchtitan.reliability.dump_lock import check_unlocked
 
 
 def check_job(job_config: JobConfig, world_size: int | None) -> None:

@@ -10,7 +10,6 @@ import os
 import stat
 import tempfile
 
-from torchtitan.checkpoint_folder import is_complete
 from torchtitan.config_manager import ConfigError
 
 # Bytes of a text file decoded to tell UTF-8 from binary: enough for any header, cheap on a huge corpus.
@@ -88,14 +87,6 @@ def check_folder(option: str, path: str, resolved: str | None = None, fix: str =
     mode = _stat(option, path, resolved, f"no such folder {shown(path)}; {fix}").st_mode
     if not stat.S_ISDIR(mode):
         raise ConfigError(f"{option}: {shown(path)} is {_kind(mode)}, not a folder; {fix}")
-
-
-def check_checkpoint(option: str, path: str) -> None:
-    """A complete DCP checkpoint folder (a step-N folder with its .metadata)."""
-    fix = "give a DCP checkpoint folder, e.g. outputs/checkpoint/step-100"
-    check_folder(option, path, fix=fix)
-    if not is_complete(path):
-        raise ConfigError(f"{option}: {shown(path)} is not a complete DCP checkpoint (no .metadata); {fix}")
 
 
 def check_dataset_path(option: str, path: str, resolved: str) -> None:
