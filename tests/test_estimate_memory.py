@@ -1,9 +1,11 @@
 """scripts/estimate_memory.py: its fake-tensor estimate against the peak measured in a real run."""
 
 import functools
+import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from launch import ROOT
@@ -12,7 +14,7 @@ from torchtitan.memory_estimation.torch_internals import check_torch_internals
 
 SCRIPT = str(ROOT / "scripts" / "estimate_memory.py")
 # Parameters, optimizer state and activations all weigh: a 15M-parameter model (the vocabulary
-# padded to 16k rows) on 4 x 256 tokens.
+# padded to 16k rows) on 4 x 256 tokens (8 x 256 where a pipeline runs 8 micro-batches).
 JOB = [
     "--job.config_file",
     str(ROOT / "train_configs" / "debug_model.toml"),
@@ -25,10 +27,96 @@ JOB = [
 ]
 GIB = 2**30
 
+# A process that has imported the script and torchrun, and runs each command (the script's main, or
+# torchrun's) in a child forked from it, with the command's environment and its output in files: a
+# process of its own, as a new interpreter would be, without the seconds each spends importing torch
+# (the tests launch about 25). Nothing in it runs before the fork. A command still running after its
+# timeout is killed with the processes it started (its process group), and reports -9.
+FORK_SERVER = r"""
+import json, os, runpy, signal, sys, tempfile, time, traceback
+from torch.distributed.run import main as torchrun
 
-def run(cmd: list[str], ngpu: int = 1) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", NGPU=str(ngpu))
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+mains = {"script": runpy.run_path(sys.argv[1])["main"], "torchrun": torchrun}
+for line in sys.stdin:
+    kind, argv, env, timeout = json.loads(line)
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setpgid(0, 0)
+            os.environ.update(env)
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            code = mains[kind](argv) or 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while not (done := os.waitpid(pid, os.WNOHANG))[0]:
+        if time.monotonic() > deadline:
+            os.killpg(pid, signal.SIGKILL)
+            done = os.waitpid(pid, 0)
+            break
+        time.sleep(0.02)
+    out.seek(0)
+    err.seek(0)
+    print(json.dumps([os.waitstatus_to_exitcode(done[1]), out.read(), err.read()]), flush=True)
+    out.close()
+    err.close()
+"""
+
+
+class ForkServer:
+    def __init__(self) -> None:
+        self.log = tempfile.TemporaryFile("w+")  # the server's own stderr
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", FORK_SERVER, SCRIPT],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            cwd=ROOT,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
+
+    def run(self, kind: str, argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+        self.process.stdin.write(json.dumps([kind, argv, env, 300]) + "\n")
+        self.process.stdin.flush()
+        reply = self.process.stdout.readline()
+        if not reply:
+            self.log.seek(0)
+            raise RuntimeError(f"the fork server exited: {self.log.read()[-3000:]}")
+        returncode, stdout, stderr = json.loads(reply)
+        return subprocess.CompletedProcess([kind, *argv], returncode, stdout, stderr)
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+        self.log.close()
+
+
+_server: list[ForkServer] = []  # started by the first command
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fork_server():
+    yield
+    while _server:
+        _server.pop().close()
+
+
+def run(kind: str, argv: list[str], ngpu: int = 1) -> subprocess.CompletedProcess:
+    """`kind` "script": scripts/estimate_memory.py's main(argv); "torchrun": torchrun's."""
+    if not _server:
+        _server.append(ForkServer())
+    return _server[0].run(kind, argv, {"OMP_NUM_THREADS": "1", "NGPU": str(ngpu)})
 
 
 def rows(stdout: str, columns: int) -> list[list[float]]:
@@ -38,26 +126,33 @@ def rows(stdout: str, columns: int) -> list[list[float]]:
 
 
 @functools.cache
+def script_output(ngpu: int, *args: str) -> str:
+    """The script is deterministic: a command line is run once (the 1-process estimate and the PP 2
+    ZBV one on 8 micro-batches serve two tests each)."""
+    result = run("script", [*JOB, *args], ngpu)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    return result.stdout
+
+
 def estimate(ngpu: int, *args: str, how: str = "") -> list[list[float]]:
     """A row per pipeline rank (one without PP): (params, grads, optimizer, activations, peak) in
-    GiB; `how` must be in the note on how they were obtained. The script is deterministic: a
-    command line's rows are computed once (the 1-process estimate serves two tests)."""
-    result = run([sys.executable, SCRIPT, *JOB, *args], ngpu)
-    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert how in result.stdout.splitlines()[-1], result.stdout
-    return rows(result.stdout, 5)
+    GiB; `how` must be in the note on how they were obtained."""
+    stdout = script_output(ngpu, *args)
+    assert how in stdout.splitlines()[-1], stdout
+    return rows(stdout, 5)
 
 
 def measure(nproc: int, *args: str) -> list[float]:
     """Each rank's measured peak in GiB."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-    torchrun += ["--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
-    result = run([*torchrun, SCRIPT, "--measure", *JOB, *args])
+    torchrun = [f"--nproc_per_node={nproc}", "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
+    result = run("torchrun", [*torchrun, SCRIPT, "--measure", *JOB, *args])
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     return [row[0] for row in rows(result.stdout, 1)]
 
 
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+ZBV = [*PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
+EIGHT_MICROBATCHES = ["--training.batch_size", "8", "--parallelism.pipeline_parallel_microbatches", "8"]
 
 
 def test_torch_internals_the_estimator_relies_on_are_there():
@@ -72,7 +167,9 @@ def test_torch_internals_the_estimator_relies_on_are_there():
         (1, []),
         (2, []),
         (2, ["--parallelism.tensor_parallel_degree", "2", "--model.vocab_size", "128256"]),
-        (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
+        # The estimate test_pipeline_ranks_composed_from_two_microbatches_equal_the_whole_step[pp2_zbv]
+        # checks against the whole step's: composed from 2 of the 8 micro-batches.
+        (2, [*ZBV, *EIGHT_MICROBATCHES]),
     ],
     ids=["one_process", "fsdp2", "tp2_llama3_vocab", "pp2_zbv"],
 )
@@ -117,7 +214,7 @@ TP2 = ["--parallelism.tensor_parallel_degree", "2"]
     "ngpu, layout",
     [
         (8, [*INTERLEAVED, *TP2, "--activation_checkpoint.mode", "full", "--model.vocab_size", "128256"]),
-        (2, [*PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
+        (2, ZBV),  # the estimate test_estimate_is_within_10_percent_of_the_measured_peak[pp2_zbv] measures
     ],
     ids=["fsdp2_tp2_pp2_interleaved_full_ac_llama3_vocab", "pp2_zbv"],
 )
@@ -126,7 +223,7 @@ def test_pipeline_ranks_composed_from_two_microbatches_equal_the_whole_step(ngpu
     eight run. Activations, gradients and receive buffers of the micro-batches not run are counted
     from those run; ZBV puts both ends on rank 0 and passes activations between the two stages of
     rank 1 without sending them."""
-    layout = [*layout, "--training.batch_size", "8", "--parallelism.pipeline_parallel_microbatches", "8"]
+    layout = [*layout, *EIGHT_MICROBATCHES]
     composed = estimate(ngpu, *layout, how="2 of 2 pipeline ranks simulated on 2 of 8 micro-batches")
     assert len(composed) == 2 and composed[0] != composed[1]
     assert composed == estimate(ngpu, *layout, "--full", how="all 6 layers simulated")
@@ -159,9 +256,13 @@ def test_ranks_of_a_kind_composed_from_one_equal_their_whole_steps(microbatches,
 def test_each_simulation_has_a_process_of_its_own():
     """Three pipeline ranks (Llama 3 70B: 26 or 27 layers each) at three depths: nine simulations,
     more than a pool of two hands out one at a time by default (a process reused for another rank
-    finds DTensor's caches naming the process groups of the last)."""
-    layout = ["--model.flavor", "70B", "--training.seq_len", "64", "--training.batch_size", "3"]
+    finds DTensor's caches naming the process groups of the last: "Could not resolve the process
+    group"). One GPipe micro-batch: each simulation is the cheapest that runs the tensor-parallel
+    blocks of its rank's stage (the pool's hand-out does not depend on the schedule)."""
+    layout = ["--model.flavor", "70B", "--training.seq_len", "64", "--training.batch_size", "1"]
     layout += ["--parallelism.pipeline_parallel_degree", "3", "--parallelism.tensor_parallel_degree", "2"]
+    layout += ["--parallelism.pipeline_parallel_schedule", "GPipe"]
+    layout += ["--parallelism.pipeline_parallel_microbatches", "1"]
     ranks = estimate(6, *layout, how="extrapolated from 8, 11, 14 layers")
     assert len(ranks) == 3 and ranks[0] != ranks[1] != ranks[2]
 
