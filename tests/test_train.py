@@ -6,6 +6,8 @@ and through run_llama_train.sh)."""
 
 from launch import read_metrics, read_records, run_train
 
+from scripts.parity_matrix import run_reference
+
 
 def check(result):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -19,3 +21,11 @@ def test_validation_leaves_training_as_it_was(tmp_path, reference_run):
     assert not any("validation_loss" in r for r in read_records(tmp_path))
     assert [m["step"] for m in plain] == list(range(1, 11))
     assert [(m["loss"], m["grad_norm"]) for m in plain] == [(m["loss"], m["grad_norm"]) for m in validated]
+
+
+def test_two_runs_of_one_command_log_the_same_numbers_bit_for_bit(tmp_path, reference_run):
+    """On CPU training is repeatable without `training.deterministic`: the reference run's command again
+    gives the same losses, gradient norms and validation losses, bit for bit (docs/debugging.md)."""
+    again, first = run_reference(tmp_path, 4, 10), reference_run(4)
+    numbers = [[(m["loss"], m["grad_norm"], m["validation_loss"]) for m in run] for run in (again, first)]
+    assert numbers[0] == numbers[1]
