@@ -111,14 +111,14 @@ def main(job_config: JobConfig) -> int:
     load_balance = None
     if spec.moe:
         load_balance = LoadBalance(model_parts, job_config.moe, meshes.dp, meshes.pp, meshes.tp)
-    train_step = TrainStep(model_parts, pipeline, parallel_dims, training, device, load_balance)
-    # Per device, for tokens/s and MFU: pipeline and tensor-parallel ranks share the work of each token.
+    train_step = TrainStep(model_parts, pipeline, parallel_dims, training, device, load_balance, meshes.cp)
+    # Per device, for tokens/s and MFU: pipeline, context- and tensor-parallel ranks share each token's work.
     tokens_per_rank = grad_accum_steps * training.batch_size * training.seq_len
     metric_logger = MetricLogger(
         job_config,
         spec.flops_per_token(model_args, num_flop_params, training.seq_len),
         peak_flops(device, DTYPES[training.mixed_precision_param]),
-        tokens_per_step=tokens_per_rank / (parallel_dims.pp * parallel_dims.tp),
+        tokens_per_step=tokens_per_rank / (parallel_dims.pp * parallel_dims.cp * parallel_dims.tp),
         device=device,
         is_logging_rank=rank == 0,
     )
@@ -157,7 +157,7 @@ def main(job_config: JobConfig) -> int:
             metric_logger.step_done()
 
             if metric_logger.should_log(step):
-                loss_value = dist_mean(dist_sum(loss, meshes.pp) if meshes.pp else loss, meshes.dp)
+                loss_value = dist_mean(dist_sum(loss, meshes.pp) if meshes.pp else loss, meshes.dp_cp)
                 metric_logger.log(
                     step,
                     loss_value,

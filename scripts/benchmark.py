@@ -1,6 +1,6 @@
 """Performance figures of the trainer, each a ratio of two things measured side by side in one run.
 
-    python scripts/benchmark.py [--out results.json] [--threads 1]
+    python scripts/benchmark.py [--out results.json] [--threads 1] [--only context_parallel]
 
 | figure | ratio | goal |
 | --- | --- | --- |
@@ -17,6 +17,8 @@
 | chunked-loss step time | that step's time with / without training.loss_chunk_tokens | (reported) |
 | MoE step time | Qwen3-MoE debug model's step time / a dense Qwen3's of the same active parameters | <= 1.5 |
 | MoE all-to-all share | time in the all-to-all token exchange / step time, at EP 2 on 2 ranks | (reported) |
+| context-parallel memory | a rank's peak memory on a 4096-token sequence, CP 2 (2 ranks) / CP 1 | <= 0.6 |
+| context-parallel step time | a rank's step CPU time on that sequence at CP 2 / CP 1 | (reported) |
 
 Each part runs in a fresh process (train.py's main() disables GC, compiles, may start process
 groups), on the debug model, one process per rank, `--threads` intra-op threads each. train.py's
@@ -31,7 +33,16 @@ The checkpoint figure comes from scripts/benchmark_checkpoint.py (a 134M-paramet
 chunked-loss figures from the trainer's TrainStep on the debug model with a 128256-token vocabulary
 on 2 x 2048 tokens in fp32, peaks as scripts/estimate_memory.py --measure takes them. The MoE
 all-to-all share profiles train.py on the Qwen3-MoE debug recipe at EP 2 on 2 gloo ranks (CPU, also
-on a GPU machine), in wall time.
+on a GPU machine), in wall time. The context-parallel figures run train.py on the CPU (also on a GPU
+machine) on one sequence of 4096 tokens (batch 1, fp32: activations, which CP splits, are most of the
+peak), in 1 process (CP 1) and in 2 gloo ranks (CP 2, FSDP over both), the same global batch. A
+rank's peak is over train.py's second step, as scripts/estimate_memory.py --measure takes it on CPU
+(the CPU allocator's bytes from the profiler's memory events, the model built under the profiler);
+the larger rank's counts. Step times are the best of steps 4-6, with the profiler stopped, in CPU
+time (the slower rank's at CP 2). With one thread per process, CP 2's ratio is the share of the
+sequence's work a rank does, 0.5 without overhead; on 2 otherwise idle cores the step's wall time
+would shrink about as much, plus the time the ranks wait for each other.
+`--only context_parallel` measures those two figures alone.
 Takes a few minutes on 2 CPU cores; on a GPU machine it runs on the GPU.
 """
 
@@ -92,20 +103,32 @@ def run_train(argv: list[str], after_optimizer_step: Callable[[], None]) -> None
         hook.remove()
 
 
-def train_step_time(dump_folder: str, extra: list[str]) -> dict:
+def train_step_time(
+    dump_folder: str,
+    extra: list[str],
+    log_freq: int = LOG_FREQ,
+    steady_from: int = STEADY_FROM,
+    windows: int = WINDOWS,
+    after_step: Callable[[int], None] | None = None,
+) -> dict:
     """Step seconds of train.py's main(), run in this process: its best steady window as its
-    metrics.jsonl reports it (wall time), and this process's CPU time over the same windows."""
+    metrics.jsonl reports it (wall time), and this process's CPU time over the same windows.
+    `after_step(step)` runs after each optimizer step, after the CPU clock is read."""
     cpu_at_step: list[float] = []
-    steps = STEADY_FROM + WINDOWS * LOG_FREQ
-    argv = [*TRAIN_ARGS, "--training.steps", str(steps), "--metrics.log_freq", str(LOG_FREQ)]
-    run_train(
-        [*argv, "--job.dump_folder", dump_folder, *extra], lambda: cpu_at_step.append(time.process_time())
-    )
+
+    def optimizer_step_done() -> None:
+        cpu_at_step.append(time.process_time())
+        if after_step is not None:
+            after_step(len(cpu_at_step))
+
+    steps = steady_from + windows * log_freq
+    argv = [*TRAIN_ARGS, "--training.steps", str(steps), "--metrics.log_freq", str(log_freq)]
+    run_train([*argv, "--job.dump_folder", dump_folder, *extra], optimizer_step_done)
     with open(os.path.join(dump_folder, "metrics.jsonl")) as f:
-        steady = (r for r in map(json.loads, f) if r["step"] > STEADY_FROM and "step_time" in r)
+        steady = (r for r in map(json.loads, f) if r["step"] > steady_from and "step_time" in r)
         best = min(steady, key=lambda r: r["step_time"])
-    ends = cpu_at_step[STEADY_FROM - 1 :: LOG_FREQ]  # CPU clock after steps 8, 12, 16, ...
-    cpu = min(b - a for a, b in zip(ends, ends[1:])) / LOG_FREQ
+    ends = cpu_at_step[steady_from - 1 :: log_freq]  # CPU clock after steps 8, 12, 16, ... (defaults)
+    cpu = min(b - a for a, b in zip(ends, ends[1:])) / log_freq
     return {"wall": best["step_time"], "cpu": cpu, "tokens": best["tps"] * best["step_time"]}
 
 
@@ -382,6 +405,68 @@ def part_chunked_loss(tmp: str) -> dict:
     return benchmark_memory.chunked_loss(TRAIN_ARGS, LOSS_CHUNK_TOKENS)
 
 
+CP_SEQ_LEN = 4096  # long enough for the activations, which CP splits, to be most of the peak
+CP_ARGS = [
+    "--training.batch_size",
+    "1",
+    "--training.seq_len",
+    str(CP_SEQ_LEN),
+    "--training.mixed_precision_param",
+    "float32",
+    "--validation.enable",
+    "false",
+]
+CP_MEASURED_STEP = 2  # the step whose peak counts: the first made the optimizer state
+CP_STEADY_FROM = 3  # steps timed after this one (the profiler is stopped after the measured step)
+CP_WINDOWS = 3  # timed steps, one per window; at ~6 s a step on one thread, a few suffice
+CP_WINDOW = "context-parallel measured step"  # the profiler's marker around the measured step
+
+
+def part_context_parallel(tmp: str) -> dict:
+    """train.py on one CP_SEQ_LEN-token sequence, context-parallel over this part's processes (CP 1 in
+    one process): each rank's peak memory over its second step, as scripts/estimate_memory.py
+    --measure takes it on CPU (the profiler's memory events from before the model is built), then
+    its step times with the profiler off."""
+    import resource
+
+    import torch.distributed as dist
+    from torch.autograd.profiler import record_function
+
+    from torchtitan.memory_estimation.measure import cpu_peak
+
+    cp = int(os.environ.get("WORLD_SIZE", "1"))
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    window = record_function(CP_WINDOW)
+
+    def around_measured_step(step: int) -> None:
+        if step == CP_MEASURED_STEP - 1:
+            window.__enter__()
+        elif step == CP_MEASURED_STEP:
+            window.__exit__(None, None, None)
+            profiler.stop()
+
+    profiler.start()
+    timed = train_step_time(
+        os.path.join(tmp, f"context_parallel_{cp}"),
+        [*CP_ARGS, "--parallelism.context_parallel_degree", str(cp)],
+        log_freq=1,
+        steady_from=CP_STEADY_FROM,
+        windows=CP_WINDOWS,
+        after_step=around_measured_step,
+    )
+    # ru_maxrss (also what train.py logs as memory on CPU) adds the interpreter, libraries and the
+    # profiler's own records: for reference only.
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    mine = {"peak": cpu_peak(profiler, CP_WINDOW), "max_rss": maxrss, **timed}
+    if cp == 1:
+        return {"ranks": [mine]}
+    gathered: list = [None] * cp
+    dist.all_gather_object(gathered, mine)
+    dist.barrier()  # no rank tears gloo down while another still reads from it
+    dist.destroy_process_group()
+    return {"ranks": gathered}
+
+
 PARTS = {
     "overhead": part_overhead,
     "compile": part_compile,
@@ -393,6 +478,7 @@ PARTS = {
     "chunked_loss": part_chunked_loss,
     "moe": part_moe,
     "moe_all_to_all": part_moe_all_to_all,
+    "context_parallel": part_context_parallel,
 }
 
 
@@ -417,7 +503,47 @@ def run_part(name: str, tmp: str, threads: int, nproc: int = 1, cpu: bool = Fals
     return json.loads(Path(result).read_text())
 
 
-def run_all(threads: int, tmp: str) -> dict:
+def add_figure(
+    figures: list[dict], name: str, value: float, goal: str, ok: bool, detail: str, data: dict
+) -> None:
+    figures.append({"figure": name, "value": value, "goal": goal, "met": ok, "detail": detail, **data})
+    print(f"  {name}: {value:.3f} ({detail})", flush=True)
+
+
+def context_parallel_figures(tmp: str, threads: int, add: Callable[..., None]) -> None:
+    """The context-parallel rows: the part in 1 process (CP 1) and in 2 (CP 2), on the CPU, in CPU
+    time whatever the device (the worst rank of the two counts)."""
+    one = run_part("context_parallel", tmp, threads, cpu=True)["ranks"][0]
+    two = run_part("context_parallel", tmp, threads, 2, cpu=True)["ranks"]
+
+    def ranks(key: str, scale: float, spec: str) -> str:
+        return " and ".join(format(r[key] * scale, spec) for r in two)
+
+    peak = max(r["peak"] for r in two)
+    add(
+        "context-parallel memory",
+        peak / one["peak"],
+        "<= 0.6",
+        peak / one["peak"] <= 0.6,
+        f"peak per rank at CP 2 {ranks('peak', 2**-20, ',.0f')} MiB, at CP 1 {one['peak'] / 2**20:,.0f} "
+        f"MiB (1 x {CP_SEQ_LEN} tokens, fp32, CPU)",
+        {"cp_1": one, "cp_2": two},
+    )
+    slowest = max(r["cpu"] for r in two)
+    add(
+        "context-parallel step time",
+        slowest / one["cpu"],
+        "(reported)",
+        True,
+        f"CPU time per rank at CP 2 {ranks('cpu', 1, '.2f')} s/step, at CP 1 {one['cpu']:.2f} s/step "
+        f"(wall, rank 0's log: {two[0]['wall']:.2f} vs {one['wall']:.2f}; best of steps {CP_STEADY_FROM + 1}-"
+        f"{CP_STEADY_FROM + CP_WINDOWS}, one thread per process)",
+        {"cp_1": one, "cp_2": two},
+    )
+
+
+def run_all(threads: int, tmp: str, only: str | None = None) -> dict:
+    """Every figure, or only those of one group of rows (`ROWS`)."""
     job_config = parse_args(TRAIN_ARGS)
     t = job_config.training
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{os.cpu_count()} CPU cores"
@@ -430,13 +556,15 @@ def run_all(threads: int, tmp: str) -> dict:
         "batch": f"{t.batch_size} x {t.seq_len} tokens, {t.mixed_precision_param}",
         "timing": f"best of {WINDOWS} windows of {LOG_FREQ} steps, after {STEADY_FROM} warmup steps",
     }
-    figures = []
+    figures: list[dict] = []
 
     def add(name: str, value: float, goal: str, ok: bool, detail: str, data: dict) -> None:
-        figures.append({"figure": name, "value": value, "goal": goal, "met": ok, "detail": detail, **data})
-        print(f"  {name}: {value:.3f} ({detail})", flush=True)
+        add_figure(figures, name, value, goal, ok, detail, data)
 
     print(f"Setup: {json.dumps(setup)}", flush=True)
+    if only is not None:
+        ROWS[only](tmp, threads, add)
+        return {"setup": setup, "figures": figures}
     clock = "wall" if ON_GPU else "cpu"
     setup["clock"] = f"{clock} time" + ("" if ON_GPU else " of the measuring process (wall time in brackets)")
 
@@ -592,15 +720,21 @@ def run_all(threads: int, tmp: str) -> dict:
         f"{a['exchange_share']:.1%} of a step; the rest is waiting for the other rank",
         a,
     )
+    context_parallel_figures(tmp, threads, add)
     return {"setup": setup, "figures": figures}
+
+
+ROWS = {"context_parallel": context_parallel_figures}  # the groups of rows `--only` measures alone
 
 
 def print_table(results: dict) -> None:
     print("\nSetup: " + ", ".join(f"{k}: {v}" for k, v in results["setup"].items()))
-    print(f"{'figure':<22} {'value':>8}  {'goal':<13} {'met':<4} detail")
+    name = max(len("figure"), *(len(f["figure"]) for f in results["figures"]))
+    goal = max(len("goal"), *(len(f["goal"]) for f in results["figures"]))
+    print(f"{'figure':<{name}} {'value':>8}  {'goal':<{goal}} {'met':<4} detail")
     for f in results["figures"]:
         met = "yes" if f["met"] else "NO"
-        print(f"{f['figure']:<22} {f['value']:8.3f}  {f['goal']:<13} {met:<4} {f['detail']}")
+        print(f"{f['figure']:<{name}} {f['value']:8.3f}  {f['goal']:<{goal}} {met:<4} {f['detail']}")
 
 
 def main() -> None:
@@ -609,6 +743,7 @@ def main() -> None:
     )
     parser.add_argument("--out", help="write the figures and their raw measurements to this JSON file")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per process")
+    parser.add_argument("--only", choices=list(ROWS), help="measure only this group of rows")
     parser.add_argument("--part", choices=list(PARTS), help=argparse.SUPPRESS)
     parser.add_argument("--tmp", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -620,7 +755,7 @@ def main() -> None:
         return
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="titan-benchmark-") as tmp:
-        results = run_all(args.threads, tmp)
+        results = run_all(args.threads, tmp, args.only)
     results["seconds"] = time.perf_counter() - start
     print_table(results)
     print(f"({results['seconds']:.0f} s)")

@@ -47,7 +47,9 @@ def evaluate(job_config: JobConfig) -> int:
         part.to_empty(device=device)
         part.init_weights(seed=job_config.training.seed)  # the buffers (RoPE), which are not saved
     load_model_weights(model_parts, path, verify=job_config.checkpoint.verify_checksums)
-    train_step = TrainStep(model_parts, pipeline, parallel_dims, job_config.training, device)
+    train_step = TrainStep(
+        model_parts, pipeline, parallel_dims, job_config.training, device, cp_mesh=meshes.cp
+    )
     result = Validator(job_config, train_step, tokenizer, meshes).validate()
     if rank == 0:
         print(

@@ -34,6 +34,7 @@ COMPILE = ("--training.compile", "true")
 CHUNKED_LOSS = ("--training.loss_chunk_tokens", "48")  # divides neither 64- nor 128-token micro-batches
 TP_DEGREE = "--parallelism.tensor_parallel_degree"
 PP_DEGREE = "--parallelism.pipeline_parallel_degree"
+CP_DEGREE = "--parallelism.context_parallel_degree"
 VALIDATION_BATCH = 4  # sequences per global validation batch, the same in every layout
 
 
@@ -44,7 +45,8 @@ class Layout:
     batch_size: int  # per data-parallel rank and micro-batch
     global_batch: int  # sequences per step; the reference runs them as one batch on one process
     args: tuple[str, ...] = ()
-    model: tuple[str, ...] = ()  # the model's options, shared with the reference (default: Llama 3's)
+    # The model's options (and the sequence length), shared with the reference (default: Llama 3's).
+    model: tuple[str, ...] = ()
     # The reference's micro-batch, in sequences (0: the whole global batch). A mixture of experts'
     # auxiliary loss is a micro-batch's (not linear in its tokens): a pipeline's is compared with one
     # process accumulating the same micro-batches.
@@ -57,7 +59,11 @@ class Layout:
     @property
     def dp_degree(self) -> int:
         args = list(self.args)
-        degrees = [int(args[args.index(option) + 1]) for option in (TP_DEGREE, PP_DEGREE) if option in args]
+        degrees = [
+            int(args[args.index(option) + 1])
+            for option in (TP_DEGREE, PP_DEGREE, CP_DEGREE)
+            if option in args
+        ]
         return self.nproc // math.prod(degrees)
 
     def argv(self, steps: int) -> list[str]:
@@ -82,6 +88,10 @@ def pp(n: int, schedule: str = "1F1B") -> tuple[str, ...]:
 
 def ep(n: int) -> tuple[str, ...]:
     return ("--parallelism.expert_parallel_degree", str(n))
+
+
+def cp(n: int) -> tuple[str, ...]:
+    return (CP_DEGREE, str(n))
 
 
 def replicate(n: int) -> tuple[str, ...]:
@@ -113,6 +123,10 @@ QWEN3_UNTIED = (*QWEN3, "--model.flavor", "debugmodel")
 QWEN3_TIED = (*QWEN3, "--model.flavor", "debugmodel_tied")
 # Qwen3-MoE's debug flavour (8 experts, top 2, a dense first layer), its experts balanced by the auxiliary
 # loss (the default) or by DeepSeek-V3's routing bias alone.
+# Context parallelism splits sequences: long enough ones (512 tokens) that each rank's chunks span
+# many positions. The reference runs the same length.
+LONG = ("--training.seq_len", "512")
+QWEN3_LONG = (*QWEN3_UNTIED, *LONG)
 QWEN3_MOE = ("--model.name", "qwen3_moe", "--model.tokenizer_path", "assets/tokenizer/kjv_bpe_hf")
 QWEN3_MOE_BIAS = (*QWEN3_MOE, "--moe.aux_loss_coef", "0", "--moe.bias_update_rate", "0.01")
 QWEN3_MOE_BOTH = (*QWEN3_MOE, "--moe.bias_update_rate", "0.01")
@@ -200,6 +214,41 @@ MATRIX = [
         4,
         ep(2) + tp(2) + AC_FULL + CHUNKED_LOSS,
         QWEN3_MOE,
+    ),
+    Layout("Llama, 512 tokens: CP 2", 2, 4, 4, cp(2), LONG),
+    Layout("Llama, 512 tokens: CP 4", 4, 4, 4, cp(4), LONG),
+    Layout("Llama, 512 tokens: CP 2 x FSDP 2", 4, 2, 4, cp(2), LONG),
+    Layout("Llama, 512 tokens: CP 2 x TP 2", 4, 4, 4, cp(2) + tp(2), LONG),
+    Layout("Llama, 512 tokens: PP 2 x CP 2", 4, 4, 4, pp(2) + cp(2), LONG),
+    Layout("Qwen3 untied, 512 tokens: CP 2", 2, 4, 4, cp(2), QWEN3_LONG),
+    Layout("Qwen3 untied, 512 tokens: CP 4", 4, 4, 4, cp(4), QWEN3_LONG),
+    Layout("Qwen3 untied, 512 tokens: CP 2 x FSDP 2", 4, 2, 4, cp(2), QWEN3_LONG),
+    Layout("Qwen3 untied, 512 tokens: HSDP 2 x CP 2", 4, 2, 4, cp(2) + replicate(2), QWEN3_LONG),
+    Layout("Qwen3 untied, 512 tokens: CP 2 + GA 2 + AC full", 2, 2, 4, cp(2) + AC_FULL, QWEN3_LONG),
+    Layout(
+        "Qwen3 untied, 512 tokens: CP 2 + compile + AC selective op",
+        2,
+        4,
+        4,
+        cp(2) + COMPILE + AC_OP,
+        QWEN3_LONG,
+    ),
+    Layout("Qwen3 untied, 512 tokens: CP 2 + chunked loss", 2, 4, 4, cp(2) + CHUNKED_LOSS, QWEN3_LONG),
+    Layout(
+        "Qwen3 untied, 512 tokens: CP 2 x TP 2 + GA 2 + AC selective op + chunked loss, reshard always",
+        4,
+        2,
+        4,
+        cp(2) + tp(2) + AC_OP + FSDP_KNOBS + CHUNKED_LOSS,
+        QWEN3_LONG,
+    ),
+    Layout(
+        "Qwen3 untied, 512 tokens: PP 2 x CP 2, 1F1B, 4 micro-batches",
+        4,
+        4,
+        4,
+        pp(2) + cp(2) + ("--parallelism.pipeline_parallel_microbatches", "4"),
+        QWEN3_LONG,
     ),
 ]
 

@@ -490,6 +490,32 @@ CASES = [
         "parallelism.expert_parallel_degree: 2 does not divide data_parallel_shard_degree 3",
         env={"WORLD_SIZE": "3"},
     ),
+    Case(
+        "CP not splitting the sequence into 2 x CP chunks",
+        args("--parallelism.context_parallel_degree", "2", "--training.seq_len", "66"),
+        "training.seq_len: 66 is not divisible by 2 x context_parallel_degree = 4",
+        env={"WORLD_SIZE": "2"},
+    ),
+    Case(
+        "CP x TP not splitting a rank's tokens",
+        args(
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "4",
+            "--training.seq_len",
+            "68",
+        ),
+        "training.seq_len: 68 / context_parallel_degree 2 is not divisible by tensor_parallel_degree 4",
+        env={"WORLD_SIZE": "8"},
+    ),
+    Case(
+        "CP with a mixture of experts",
+        args("--model.name", "qwen3_moe", "--parallelism.context_parallel_degree", "2"),
+        "parallelism.context_parallel_degree: qwen3_moe is a mixture of experts, which context parallelism "
+        "does not split yet",
+        env={"WORLD_SIZE": "2"},
+    ),
     # Validation data (checked before the first training step)
     Case(
         "missing validation dataset",

@@ -14,7 +14,7 @@ LAYOUTS = {
     "tp2": (2, 4, ["--parallelism.tensor_parallel_degree", "2"]),
 }
 # HSDP 2 x 2 resumes bit for bit in test_resume_on_other_layouts (whose checkpoint it writes); pipeline
-# parallelism in test_pipeline.py (ZBV, two model parts on a rank); FSDP 2 from an async checkpoint
+# parallelism in test_pipeline.py (ZBV, two model parts on a rank); CP 2 from an async checkpoint
 # (and its checksum manifests) in test_qwen3_resume.py.
 
 
@@ -63,20 +63,22 @@ def test_resume_is_bitwise(tmp_path, layout):
         assert left == ["step-4", "step-7", "step-8"]
 
 
-# The checkpoint is HSDP 2 x 2's. A checkpoint saved by FSDP 4 is resumed by FSDP 2 in
-# test_qwen3_resume.py (checkpointing and resharding are the model families' shared code).
-HSDP2X2 = ["--parallelism.data_parallel_replicate_degree", "2"]
+# The checkpoint is HSDP 2 x 2's, with gradient accumulation (2 micro-batches of 4 sequences: replicas
+# all-reduce after the last only). A checkpoint saved by FSDP 4 is resumed by CP 2 (FSDP over 2 ranks)
+# in test_qwen3_resume.py (checkpointing and resharding are the model families' shared code).
+GLOBAL_BATCH_8 = ["--training.global_batch_size", "8"]
+HSDP2X2 = ["--parallelism.data_parallel_replicate_degree", "2", *GLOBAL_BATCH_8]
 RESHARD_TARGETS = {
-    "single": (1, 4, []),
-    "tp2": (2, 4, ["--parallelism.tensor_parallel_degree", "2"]),
+    "single": (1, 8, GLOBAL_BATCH_8),
+    "tp2": (2, 4, ["--parallelism.tensor_parallel_degree", "2", *GLOBAL_BATCH_8]),
 }
 
 
 def test_resume_on_other_layouts(tmp_path):
-    """Saved by HSDP over 2 x 2 ranks (batch 1 each). Resumed by HSDP 2 x 2: the losses are those of
-    the run that never stopped, bit for bit. Resumed by one process (batch 4) and by TP 2: the
-    optimizer state is resharded and the data stream goes on, so the losses continue them within
-    1e-5."""
+    """Saved by HSDP over 2 x 2 ranks (batch 1 each, 2 micro-batches a step). Resumed by HSDP 2 x 2: the
+    losses are those of the run that never stopped, bit for bit. Resumed by one process (batch 8) and by
+    TP 2 (2 micro-batches of 4): the optimizer state is resharded and the data stream goes on, so the
+    losses continue them within 1e-5: HSDP with accumulation trains as one process does."""
     straight = straight_run(tmp_path / "hsdp2x2", 4, 1, *HSDP2X2)
     resumed = resume_from_step_4(tmp_path / "hsdp2x2", tmp_path / "resumed", 4, 1, *HSDP2X2)
     for step, loss in resumed.items():

@@ -11,13 +11,10 @@ from scripts.parity_matrix import (
     AC_OP,
     CHUNKED_LOSS,
     COMPILE,
-    FSDP_KNOBS,
     QWEN3_MOE_BOTH,
-    QWEN3_UNTIED,
     Layout,
     ep,
     run_layout,
-    tp,
 )
 from torchtitan.config_parser import parse_args
 from torchtitan.config_rules import check_layout
@@ -90,19 +87,11 @@ def test_loss_parallel_and_pipeline_parallelism_are_accepted():
     check_layout(job_config, world_size=4)
 
 
-# Qwen3 (per-head q/k norms under TP; its block plan is Llama's plus those) on FSDP x TP, and Qwen3-MoE
-# compiled under EP (its dense first block whole, its MoE blocks around the expert dispatch, the
-# experts' FSDP unit gathering again in the recompute): the shared FSDP x TP + selective AC and compile
-# + selective AC paths, each with the chunked loss.
+# Qwen3-MoE compiled under EP (its dense first block whole, its MoE blocks around the expert dispatch, the
+# experts' FSDP unit gathering again in the recompute): the compile + selective AC path with the chunked
+# loss. Qwen3 with TP, loss parallel, gradient accumulation and selective AC, FSDP over context-parallel
+# ranks, with the chunked loss: test_parity.py.
 CHUNKED_LAYOUTS = [
-    Layout(
-        "Qwen3 untied: FSDP 2 x TP 2 (loss parallel) + GA 2 + AC selective op + chunked loss, reshard always",
-        4,
-        1,
-        4,
-        tp(2) + AC_OP + FSDP_KNOBS + CHUNKED_LOSS,
-        QWEN3_UNTIED,
-    ),
     Layout(
         "Qwen3-MoE aux + bias: EP 2 + compile + AC selective op + chunked loss",
         2,
@@ -115,9 +104,9 @@ CHUNKED_LAYOUTS = [
 
 
 def test_chunked_runs_match_the_unfused_single_process_run(tmp_path, reference_run):
-    """train.py under torchrun: the chunked loss composed with FSDP (the root kept gathered), TP (loss
-    parallel: vocabulary shards, sequence parallel), gradient accumulation, compile and selective AC
-    logs the losses, gradient norms and validation losses of the unfused 1-process run."""
+    """train.py under torchrun: the chunked loss composed with FSDP (the root kept gathered), expert
+    parallelism, compile and selective AC logs the losses, gradient norms and validation losses of the
+    unfused 1-process run."""
     for i, layout in enumerate(CHUNKED_LAYOUTS):
         reference = reference_run(layout.global_batch, layout.model)  # shared with test_parity.py
         result = run_layout(layout, tmp_path / str(i), 10, reference)

@@ -151,6 +151,7 @@ def measure(nproc: int, *args: str) -> list[float]:
 
 
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+CP2 = ["--parallelism.context_parallel_degree", "2"]
 ZBV = [*PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
 EIGHT_MICROBATCHES = ["--training.batch_size", "8", "--parallelism.pipeline_parallel_microbatches", "8"]
 
@@ -170,14 +171,16 @@ def test_torch_internals_the_estimator_relies_on_are_there():
         # The estimate test_pipeline_ranks_composed_from_two_microbatches_equal_the_whole_step[pp2_zbv]
         # checks against the whole step's: composed from 2 of the 8 micro-batches.
         (2, [*ZBV, *EIGHT_MICROBATCHES]),
+        (2, [*CP2, "--training.seq_len", "1024", "--training.batch_size", "1"]),
     ],
-    ids=["one_process", "fsdp2", "tp2_llama3_vocab", "pp2_zbv"],
+    ids=["one_process", "fsdp2", "tp2_llama3_vocab", "pp2_zbv", "cp2"],
 )
 def test_estimate_is_within_10_percent_of_the_measured_peak(nproc, layout):
     """Pipeline ranks hold different stages and micro-batches: each has its own row. ZBV splits
     backward into input and weight passes, and puts the first and last stages on rank 0. With
     Llama 3's vocabulary the loss-parallel logits weigh most (DTensor works out their global
-    shapes on fake tensors: no memory in a real run)."""
+    shapes on fake tensors: no memory in a real run). Under CP 2 each rank runs 512 of a sequence's
+    1024 tokens and gathers the keys and values of all 1024."""
     estimates = estimate(nproc, *layout)
     for params, grads, optimizer, activations, peak in estimates:
         assert abs(params + grads + optimizer + activations - peak) < 0.005
@@ -283,6 +286,20 @@ def test_big_model_estimate_shards_parameters_and_optimizer_state():
     assert optimizer == pytest.approx(2 * shard, rel=0.01)
     assert shard <= params < shard + 1.5  # plus the gathered bf16 blocks and root
     assert peak == pytest.approx(params + grads + optimizer + activations, abs=0.005)
+
+
+def test_long_context_recipe_fits_an_80_gb_gpu():
+    """train_configs/llama3_8b_128k.toml (131072-token sequences, CP 8 x FSDP 8 on 64 GPUs): each rank
+    runs 16K tokens of a sequence, and its estimated peak leaves 10 GiB of an 80 GB GPU for what the
+    estimate does not count (CUDA context, NCCL buffers, fragmentation)."""
+    recipe = ["--job.config_file", str(ROOT / "train_configs" / "llama3_8b_128k.toml")]
+    result = run("script", [*recipe, "--model.vocab_size", "128256"], 64)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    ((params, grads, optimizer, activations, peak),) = rows(result.stdout, 5)
+    shard = 8_030_261_248 * 4 / 64 / GIB  # fp32 parameters over the 64 FSDP ranks
+    assert optimizer == pytest.approx(2 * shard, rel=0.01)
+    assert peak == pytest.approx(params + grads + optimizer + activations, abs=0.005)
+    assert peak < 70
 
 
 def test_tied_qwen3_estimate_counts_the_shared_table_once():

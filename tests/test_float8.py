@@ -102,8 +102,8 @@ def test_filter_naming_no_module_is_an_error(debug_model):
             ["--float8.enable_fsdp_float8_all_gather", "true"],
             1,
             {},
-            "float8.enable_fsdp_float8_all_gather: needs FSDP (a data_parallel_shard_degree above 1, here "
-            "1); set it to false",
+            "float8.enable_fsdp_float8_all_gather: needs FSDP (a data_parallel_shard_degree or "
+            "context_parallel_degree above 1, here 1 and 1); set it to false",
         ),
         (
             [],

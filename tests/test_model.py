@@ -318,6 +318,9 @@ def _dist_worker(rank: int, world_size: int, tmp_dir: str) -> None:
             results[case] = full_weights(model)
         if rank == 0:
             torch.save(results, f"{tmp_dir}/results.pt")
+        # A rank tearing its gloo group down while its peer still uses it can abort the peer
+        # ("terminate called without an active exception", seen in full runs).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -1,25 +1,27 @@
 """Loss parity with 1 process of the composed layouts, the CI part of scripts/parity_matrix.py.
 
 Each run composes several techniques so that few launches cover them all (4-process launches and a
-cold torch.compile cost most): any one of them going wrong breaks its run's parity. FSDP alone (in HSDP
-here, inside pipeline stages in test_pipeline.py), Llama's TP with loss parallel and AC (Qwen3's block
-plan extends it: the MoE layout below, test_pipeline.py's PP x TP) and TP with gradient accumulation
-(test_chunked_loss.py) are in other runs. DDP's accumulation is checked in test_parallelisms.py. The
-script runs each technique on its own as well, and DDP and AC every N-th block. The references
-(conftest.py's reference_run) are shared with test_train.py, test_pipeline.py and test_chunked_loss.py."""
+cold torch.compile cost most): any one of them going wrong breaks its run's parity. HSDP with gradient
+accumulation (test_checkpoint_resume.py: resumed by one process and by TP within 1e-5 of itself), FSDP
+inside pipeline stages (test_pipeline.py) and Llama's TP with loss parallel and AC (Qwen3's block plan
+extends it: the CP x TP and MoE layouts below, test_pipeline.py's PP x TP) are in other runs. DDP's
+accumulation is checked in test_parallelisms.py. The script runs each technique on its own as well, and
+DDP and AC every N-th block. The references (conftest.py's reference_run) are shared with test_train.py,
+test_pipeline.py, test_chunked_loss.py and test_context_parallel.py."""
 
 import pytest
 
 from scripts.parity_matrix import (
     AC_FULL,
+    AC_OP,
     CHUNKED_LOSS,
     FSDP_KNOBS,
+    QWEN3_LONG,
     QWEN3_MOE_BOTH,
-    QWEN3_UNTIED,
     Layout,
+    cp,
     ep,
     pp,
-    replicate,
     run_layout,
     tp,
 )
@@ -28,11 +30,37 @@ STEPS = 10  # reference_run's
 MICROBATCHES_4 = ("--parallelism.pipeline_parallel_microbatches", "4")
 TOL = 1e-5
 CI_LAYOUTS = [
-    Layout("HSDP 2x2 + GA 2, reshard always, prefetch 2", 4, 1, 8, replicate(2) + FSDP_KNOBS),
-    # Qwen3's per-head q/k norms under FSDP x TP with selective AC: test_chunked_loss.py (its block
-    # plan extends Llama's); tied embeddings: test_parallelisms.py on FSDP x TP, test_qwen3_resume.py.
-    # Pipelines (their code is any family's): 1F1B on 4 micro-batches.
-    Layout("Qwen3 untied: PP 2, 1F1B, 4 micro-batches", 2, 4, 4, pp(2) + MICROBATCHES_4, QWEN3_UNTIED),
+    # Context parallelism on 512-token sequences of Qwen3 (its per-head q/k norms and half-rotation RoPE
+    # on each rank's chunks): CP alone; under FSDP, with its knobs and gradient accumulation; with TP
+    # (Qwen3's block plan extends Llama's: loss parallel, selective AC, the chunked loss and gradient
+    # accumulation, FSDP over the cp ranks); inside pipeline stages (their code is any family's: 1F1B on
+    # 4 micro-batches). CP 2, its bitwise and cross-layout resume: test_context_parallel.py. Tied
+    # embeddings: test_parallelisms.py on FSDP x TP, test_qwen3_resume.py.
+    Layout("Qwen3 untied, 512 tokens: CP 4", 4, 4, 4, cp(4), QWEN3_LONG),
+    Layout(
+        "Qwen3 untied, 512 tokens: CP 2 x FSDP 2 + GA 2, reshard always, prefetch 2",
+        4,
+        1,
+        4,
+        cp(2) + FSDP_KNOBS,
+        QWEN3_LONG,
+    ),
+    Layout(
+        "Qwen3 untied, 512 tokens: CP 2 x TP 2 + GA 2 + AC selective op + chunked loss, reshard always",
+        4,
+        2,
+        4,
+        cp(2) + tp(2) + AC_OP + FSDP_KNOBS + CHUNKED_LOSS,
+        QWEN3_LONG,
+    ),
+    Layout(
+        "Qwen3 untied, 512 tokens: PP 2 x CP 2, 1F1B, 4 micro-batches",
+        4,
+        4,
+        4,
+        pp(2) + cp(2) + MICROBATCHES_4,
+        QWEN3_LONG,
+    ),
     # Qwen3-MoE (docs/moe.md), both balancing methods on (one reference): expert parallelism with TP 2
     # on attention and its dense first layer (each tp rank routes its own sequence shard), activations
     # recomputed (the all-to-alls too) and the chunked loss; PP x EP: the stages pass the router

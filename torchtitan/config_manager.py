@@ -177,6 +177,13 @@ class ParallelismConfig:
     tensor_parallel_degree: int = opt(
         1, "Tensor (and sequence) parallel degree; must divide the model's attention heads", min=1
     )
+    context_parallel_degree: int = opt(
+        1,
+        "Context-parallel degree: ranks each sequence is split over (load-balanced for causal attention, "
+        "keys and values all-gathered); FSDP shards over data_parallel_shard_degree x this "
+        "(docs/composability.md)",
+        min=1,
+    )
     expert_parallel_degree: int = opt(
         1,
         "Expert-parallel degree: ranks a mixture-of-experts layer's experts are split over, borrowed from "

@@ -30,6 +30,7 @@ def parallel_dims_of(job_config: JobConfig, world_size: int) -> ParallelDims:
         pp=parallelism.pipeline_parallel_degree,
         enable_loss_parallel=parallelism.enable_loss_parallel,
         ep=parallelism.expert_parallel_degree,
+        cp=parallelism.context_parallel_degree,
     )
 
 
@@ -62,17 +63,33 @@ def check_parallelism(job_config: JobConfig, parallel_dims: ParallelDims, model_
             f"parallelism.tensor_parallel_degree: {tp} does not divide the model's {model_args.n_heads} "
             f"attention heads and {n_kv_heads} kv heads; choose a common divisor"
         )
-    seq_len = job_config.training.seq_len
-    if seq_len % tp:
+    seq_len, cp = job_config.training.seq_len, parallel_dims.cp
+    if cp > 1 and seq_len % (2 * cp):
         raise ConfigError(
-            f"training.seq_len: {seq_len} is not divisible by tensor_parallel_degree "
-            f"{tp} (sequence parallelism splits the sequence); change one of them"
+            f"training.seq_len: {seq_len} is not divisible by 2 x context_parallel_degree = {2 * cp} (each "
+            "context-parallel rank holds two of 2 x CP equal chunks of every sequence); change one of them"
+        )
+    if (seq_len // cp) % tp:
+        raise ConfigError(
+            f"training.seq_len: {seq_len} / context_parallel_degree {cp} is not divisible by "
+            f"tensor_parallel_degree {tp} (sequence parallelism splits each rank's tokens); change one of "
+            "them"
         )
     option = job_config.activation_checkpoint.selective_ac_option
     digits = option.isascii() and option.isdigit() and len(option) <= 9  # no "²", no 4300-digit int()
     if option != "op" and not (digits and int(option) >= 1):
         raise ConfigError(
             f"activation_checkpoint.selective_ac_option: expected 'op' or a positive integer, got {option!r}"
+        )
+
+
+def check_context_parallel(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
+    """What context parallelism cannot run with yet: a mixture of experts (its layers' gradients and
+    balancing statistics would need the cp ranks too)."""
+    if parallel_dims.cp_enabled and model_spec(job_config.model).moe:
+        raise ConfigError(
+            f"parallelism.context_parallel_degree: {job_config.model.name} is a mixture of experts, which "
+            "context parallelism does not split yet; use context_parallel_degree 1 or a dense model"
         )
 
 
@@ -247,10 +264,11 @@ def check_float8(
             "all-gathers, and float8.enable_fsdp_float8_all_gather is false; set it to false too"
         )
     all_gather = float8.enable_fsdp_float8_all_gather
-    if all_gather and parallel_dims is not None and not parallel_dims.dp_shard_enabled:
+    if all_gather and parallel_dims is not None and not parallel_dims.fsdp_enabled:
         raise ConfigError(
-            "float8.enable_fsdp_float8_all_gather: needs FSDP (a data_parallel_shard_degree above 1, here "
-            f"{parallel_dims.dp_shard}); set it to false"
+            "float8.enable_fsdp_float8_all_gather: needs FSDP (a data_parallel_shard_degree or "
+            f"context_parallel_degree above 1, here {parallel_dims.dp_shard} and {parallel_dims.cp}); set it "
+            "to false"
         )
     if device_type is not None and device_type != "cuda":
         raise ConfigError(
@@ -292,6 +310,7 @@ def check_layout(
     model_args = flavor_args(job_config.model)
     check_parallelism(job_config, parallel_dims, model_args)
     check_moe(job_config, parallel_dims, model_args)
+    check_context_parallel(job_config, parallel_dims)
     if parallel_dims.pp_enabled:
         check_tied_pipeline(job_config, model_args)
         check_pipeline(job_config, model_args.n_layers)

@@ -17,6 +17,7 @@ from torchtitan.chunked_loss import chunked_cross_entropy
 from torchtitan.config_manager import JobConfig, TrainingConfig
 from torchtitan.config_rules import gradient_accumulation_steps
 from torchtitan.load_balance import LoadBalance
+from torchtitan.parallelisms.context_parallel import shard_sequence
 from torchtitan.parallelisms.float8 import convert_to_float8
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.parallelize_llama import DTYPES, parallelize_llama, set_grad_all_reduce
@@ -45,7 +46,8 @@ def autocast_context(
 ) -> contextlib.AbstractContextManager:
     """Without FSDP/DDP there is no MixedPrecisionPolicy to cast parameters, so autocast does it."""
     param_dtype = DTYPES[training_config.mixed_precision_param]
-    if not parallel_dims.dp_enabled and param_dtype != torch.float32:
+    wrapped = parallel_dims.dp_enabled or parallel_dims.fsdp_enabled
+    if not wrapped and param_dtype != torch.float32:
         return torch.autocast(device.type, dtype=param_dtype)
     return contextlib.nullcontext()
 
@@ -86,8 +88,11 @@ class TrainStep:
         training_config: TrainingConfig,
         device: torch.device,
         load_balance: LoadBalance | None = None,
+        cp_mesh: DeviceMesh | None = None,
     ) -> None:
         self.model_parts = model_parts
+        # Context parallelism: each rank runs its share of every sequence's tokens (context_parallel.py).
+        self.cp_mesh = cp_mesh
         # A mixture-of-experts model's auxiliary loss joins each micro-batch's training loss.
         self.aux_loss_coef = load_balance.aux_loss_coef if load_balance is not None else 0.0
         self.load_balance = load_balance
@@ -132,8 +137,11 @@ class TrainStep:
         return torch.stack(losses).mean()
 
     def _on_device(self, batch: Batch) -> Batch:
-        inputs, labels = batch
-        return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+        """The batch on the device; under context parallelism, this rank's tokens of it."""
+        inputs, labels = (t.to(self.device, non_blocking=True) for t in batch)
+        if self.cp_mesh is not None:
+            inputs, labels = shard_sequence(inputs, self.cp_mesh), shard_sequence(labels, self.cp_mesh)
+        return inputs, labels
 
     def _model_forward_backward(
         self, inputs: torch.Tensor, labels: torch.Tensor, microbatches: int

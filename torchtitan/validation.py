@@ -3,7 +3,7 @@
 Every evaluation reads the same windows from the start of the validation data, laid out like the
 training data (global batch k holds the same windows whatever the layout), runs forward only, and
 reports the mean cross entropy over every token evaluated: batches hold equally many tokens, so it
-is the mean of the per-batch means over the batches and the data-parallel ranks. Training is left
+is the mean of the per-batch means over the batches and the data- and context-parallel ranks. Training is left
 as it was: the model's mode is restored, no random numbers are drawn, the training data loader is
 not touched, and the metric logger leaves the time out of the training throughput."""
 
@@ -87,7 +87,7 @@ class Validator:
         loss_sum, count = self.train_step.evaluate(batches)
         if self.meshes.pp is not None:  # the last stage's ranks hold the loss, the others 0
             loss_sum = dist_sum(loss_sum, self.meshes.pp)
-        loss = dist_mean(loss_sum, self.meshes.dp) / count
+        loss = dist_mean(loss_sum, self.meshes.dp_cp) / count
         return ValidationResult(loss, count * self.tokens_per_batch, time.perf_counter() - start)
 
 

@@ -19,6 +19,7 @@ def layout_of(cfg: JobConfig, parallel_dims: ParallelDims) -> str:
         ("dp_replicate", parallel_dims.dp_replicate),
         ("dp_shard", parallel_dims.dp_shard),
         ("ep", parallel_dims.ep),
+        ("cp", parallel_dims.cp),
         ("tp", parallel_dims.tp),
         ("pp", parallel_dims.pp),
     ]
@@ -56,7 +57,8 @@ def routing_note(cfg: JobConfig, parallel_dims: ParallelDims, expert_load: float
 def estimate(configs: list[JobConfig], world_size: int, full: bool = False, expert_load: float = 1.0) -> None:
     """Print a row per job, or with pipeline parallelism a row per pipeline rank (their stages and
     in-flight micro-batches differ); the ranks of the other dimensions hold the same share (FSDP
-    pads uneven shards), so the first stands for all, and for a mixture of experts the routing is
+    pads uneven shards; a context-parallel rank's two chunks together span as many keys as any
+    other's), so the first stands for all, and for a mixture of experts the routing is
     assumed (routing.py), `expert_load` times balanced under expert parallelism."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     jobs, notes = [], []

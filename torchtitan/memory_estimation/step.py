@@ -57,7 +57,9 @@ def pipeline_stage_io(
     stage boundary carries; the last stage outputs the logits, or the final norm's output for the
     chunked loss (training.loss_chunk_tokens)."""
     layers = stage_layers(cfg, len(model.layers))
-    microbatch = (cfg.training.batch_size // num_microbatches(cfg, len(layers)), cfg.training.seq_len)
+    # Under context parallelism the stages carry the rank's share of each sequence.
+    tokens_per_rank = cfg.training.seq_len // parallel_dims.cp
+    microbatch = (cfg.training.batch_size // num_microbatches(cfg, len(layers)), tokens_per_rank)
     probe = parallelize_llama(split_model(model, range(0), True, True), world_mesh, parallel_dims, cfg)
     boundary = []
     probe.tok_embeddings.register_forward_hook(lambda module, args, output: boundary.append(output))
@@ -125,7 +127,9 @@ def build_step(
     if moe:
         dp_mesh = world_mesh[parallel_dims.dp_mesh_name()] if parallel_dims.dp_enabled else None
         load_balance = LoadBalance(model_parts, cfg.moe, dp_mesh, pp_mesh)
-    train_step = TrainStep(model_parts, pipeline, parallel_dims, cfg.training, device, load_balance)
+    # Under context parallelism the step takes each rank's tokens of the whole (batch, seq_len) batch.
+    cp_mesh = world_mesh["cp"] if parallel_dims.cp_enabled else None
+    train_step = TrainStep(model_parts, pipeline, parallel_dims, cfg.training, device, load_balance, cp_mesh)
     # Later micro-batches of an accumulation are alike: the first and the last stand for them all.
     microbatches = min(train_step.grad_accum_steps, 2)
     shape = (cfg.training.batch_size, cfg.training.seq_len)

@@ -68,7 +68,7 @@ def float8_linear_config(float8_config: Float8Config, parallel_dims: ParallelDim
     float8 = _torchao_float8()
     if float8_config.recipe_name == "rowwise":
         return float8.Float8LinearConfig.from_recipe_name("rowwise")
-    all_gather = float8_config.enable_fsdp_float8_all_gather and parallel_dims.dp_shard_enabled
+    all_gather = float8_config.enable_fsdp_float8_all_gather and parallel_dims.fsdp_enabled
     return float8.Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather)
 
 
@@ -132,7 +132,7 @@ def precomputes_float8_scales(job_config: JobConfig, parallel_dims: ParallelDims
         float8_config.enable_float8_linear
         and float8_config.enable_fsdp_float8_all_gather
         and float8_config.precompute_float8_dynamic_scale_for_fsdp
-        and parallel_dims.dp_shard_enabled
+        and parallel_dims.fsdp_enabled
     )
 
 

@@ -23,6 +23,10 @@ class Meshes:
     dp: DeviceMesh | None
     pp: DeviceMesh | None
     tp: DeviceMesh | None = None
+    # Context parallelism: the ranks that split each sequence (None without CP), and the ranks whose
+    # tokens differ, dp x cp, over which losses are averaged (dp without CP).
+    cp: DeviceMesh | None = None
+    dp_cp: DeviceMesh | None = None
 
     @property
     def dp_degree_and_rank(self) -> tuple[int, int]:
@@ -38,6 +42,7 @@ class ParallelDims:
     pp: int = 1
     enable_loss_parallel: bool = False
     ep: int = 1  # expert-parallel ranks, borrowed from dp_shard
+    cp: int = 1  # context-parallel ranks: each splits every sequence of its data-parallel rank
 
     def __post_init__(self) -> None:
         fixed = {
@@ -45,19 +50,21 @@ class ParallelDims:
             "tensor_parallel_degree": self.tp,
             "pipeline_parallel_degree": self.pp,
             "expert_parallel_degree": self.ep,
+            "context_parallel_degree": self.cp,
         }
         for name, degree in fixed.items():
             if degree < 1:
                 raise ConfigError(f"parallelism.{name}: must be >= 1, got {degree}")
-        others = self.dp_replicate * self.tp * self.pp
+        others = self.dp_replicate * self.cp * self.tp * self.pp
         if self.dp_shard == -1:
             if self.world_size % others:
                 raise ConfigError(
                     f"parallelism: the world size {self.world_size} is not divisible by the product of the "
                     f"other degrees ({others} = data_parallel_replicate_degree {self.dp_replicate} x "
-                    f"tensor_parallel_degree {self.tp} x pipeline_parallel_degree {self.pp}); change "
-                    "parallelism.tensor_parallel_degree, pipeline_parallel_degree or "
-                    "data_parallel_replicate_degree, or the number of processes (NGPU)"
+                    f"context_parallel_degree {self.cp} x tensor_parallel_degree {self.tp} x "
+                    f"pipeline_parallel_degree {self.pp}); change parallelism.tensor_parallel_degree, "
+                    "context_parallel_degree, pipeline_parallel_degree or data_parallel_replicate_degree, or "
+                    "the number of processes (NGPU)"
                 )
             self.dp_shard = self.world_size // others
         if self.dp_shard < 1:
@@ -67,8 +74,9 @@ class ParallelDims:
         if self.dp_shard * others != self.world_size:
             raise ConfigError(
                 f"parallelism: degrees multiply to {self.dp_shard * others} (data_parallel_replicate_degree "
-                f"{self.dp_replicate} x data_parallel_shard_degree {self.dp_shard} x tensor_parallel_degree "
-                f"{self.tp} x pipeline_parallel_degree {self.pp}) but the world size is {self.world_size}; "
+                f"{self.dp_replicate} x data_parallel_shard_degree {self.dp_shard} x context_parallel_degree "
+                f"{self.cp} x tensor_parallel_degree {self.tp} x pipeline_parallel_degree {self.pp}) but the "
+                f"world size is {self.world_size}; "
                 "set parallelism.data_parallel_shard_degree = -1 or change NGPU"
             )
         if self.dp_shard % self.ep:
@@ -88,6 +96,16 @@ class ParallelDims:
     @property
     def dp_replicate_enabled(self) -> bool:
         return self.dp_replicate > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """FSDP shards the weights over dp_shard x cp (context-parallel ranks hold the same weights and
+        train on different tokens of the same sequences)."""
+        return self.dp_shard_enabled or self.cp_enabled
 
     @property
     def tp_enabled(self) -> bool:
@@ -110,10 +128,11 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """A mesh with one named dimension per enabled degree (outermost pp, innermost tp), plus a
-        flattened "dp" dimension for the data loader and loss averaging. With expert parallelism
-        dp_shard is two dimensions, "dp_shard_mod_ep" (kept even at size 1: the experts' FSDP) and
-        "ep", flattened into "dp_shard"."""
+        """A mesh with one named dimension per enabled degree (outermost pp, dp_replicate, dp_shard, cp,
+        innermost tp), plus flattened ones: "dp" for the data loader, "dp_shard_cp" for FSDP and "dp_cp"
+        for averaging losses under context parallelism (`fsdp_dim`, `dp_cp_dim`). With expert
+        parallelism dp_shard is two dimensions, "dp_shard_mod_ep" (kept even at size 1: the experts'
+        FSDP) and "ep", flattened into "dp_shard"."""
         shard = [("dp_shard_mod_ep", self.dp_shard // self.ep), ("ep", self.ep)]
         dims = [
             (n, d)
@@ -121,6 +140,7 @@ class ParallelDims:
                 ("pp", self.pp),
                 ("dp_replicate", self.dp_replicate),
                 *(shard if self.ep_enabled else [("dp_shard", self.dp_shard)]),
+                ("cp", self.cp),
                 ("tp", self.tp),
             )
             if d > 1 or n == "dp_shard_mod_ep"
@@ -135,7 +155,24 @@ class ParallelDims:
         dp_names = [n for n, _ in dims if n.startswith("dp_") or n == "ep"]
         if self.dp_replicate_enabled and self.dp_shard_enabled:
             mesh[tuple(dp_names)]._flatten("dp")
+        if self.cp_enabled and self.dp_shard_enabled:
+            mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
+        if self.cp_enabled and self.dp_enabled:
+            mesh[(*dp_names, "cp")]._flatten("dp_cp")
         return mesh
+
+    def fsdp_dim(self) -> str:
+        """The mesh dimension FSDP shards over (after dp_replicate with HSDP): dp_shard x cp."""
+        if self.cp_enabled:
+            return "dp_shard_cp" if self.dp_shard_enabled else "cp"
+        return "dp_shard"
+
+    def dp_cp_dim(self) -> str:
+        """The mesh dimension of the ranks whose tokens differ: every data-parallel and context-parallel
+        rank."""
+        if not self.cp_enabled:
+            return self.dp_mesh_name()
+        return "dp_cp" if self.dp_enabled else "cp"
 
     def moe_fsdp_meshes(self, world: DeviceMesh) -> tuple[DeviceMesh | None, DeviceMesh | None]:
         """The meshes FSDP shards a mixture-of-experts layer over apart from its block: (the layer's own
@@ -158,7 +195,7 @@ class ParallelDims:
         return world[("dp_replicate", name)] if self.dp_replicate_enabled else world[name]
 
     def build_meshes(self, device_type: str) -> Meshes:
-        """The world mesh (None on one process) and its data-parallel and pipeline dimensions."""
+        """The world mesh (None on one process) and the dimensions a step communicates over."""
         if self.world_size == 1:
             return Meshes(None, None, None)
         world = self.build_mesh(device_type)
@@ -167,6 +204,8 @@ class ParallelDims:
             world[self.dp_mesh_name()] if self.dp_enabled else None,
             world["pp"] if self.pp_enabled else None,
             world["tp"] if self.tp_enabled else None,
+            world["cp"] if self.cp_enabled else None,
+            world[self.dp_cp_dim()] if self.dp_enabled or self.cp_enabled else None,
         )
 
     def dp_mesh_name(self) -> str:

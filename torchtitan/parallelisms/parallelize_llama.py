@@ -1,9 +1,10 @@
 """Apply the job's parallelism to a model built on the meta device (any family: torchtitan/models/spec.py).
 
 Each technique is a plain function; `parallelize_llama` composes them in the order PyTorch needs:
-tensor parallelism first (it turns parameters into DTensors on the tp mesh), then activation
-checkpointing and compilation per block, then data parallelism (FSDP/HSDP, or DDP) over the dp mesh,
-which shards the DTensors further. With pipeline parallelism it is applied to each stage's model.
+tensor parallelism first (it turns parameters into DTensors on the tp mesh), expert and context
+parallelism (module swaps), then activation checkpointing and compilation per block, then data
+parallelism (FSDP/HSDP over dp_shard x cp, or DDP), which shards the DTensors further.
+With pipeline parallelism it is applied to each stage's model.
 """
 
 from collections import defaultdict
@@ -28,6 +29,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_sel
 from torchtitan.config_manager import JobConfig
 from torchtitan.models import model_spec
 from torchtitan.models.moe import MoE
+from torchtitan.parallelisms.context_parallel import apply_cp
 from torchtitan.parallelisms.expert_parallel import apply_ep
 from torchtitan.parallelisms.float8 import float8_tensorwise_tp, tp_styles
 from torchtitan.parallelisms.parallel_dims import ParallelDims
@@ -38,7 +40,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def parallelize_llama(
     model: nn.Module, world_mesh: DeviceMesh | None, parallel_dims: ParallelDims, job_config: JobConfig
 ) -> nn.Module:
-    par = job_config.parallelism
+    par, spec = job_config.parallelism, model_spec(job_config.model)
     if parallel_dims.tp_enabled:
         apply_tp(
             model,
@@ -46,10 +48,12 @@ def parallelize_llama(
             parallel_dims.loss_parallel_enabled,
             par.enable_async_tensor_parallel,
             float8_tensorwise=float8_tensorwise_tp(job_config),
-            block_plan=model_spec(job_config.model).block_tp_plan(),
+            block_plan=spec.block_tp_plan(),
         )
     if parallel_dims.ep_enabled:
         apply_ep(model, world_mesh["ep"])
+    if parallel_dims.cp_enabled:
+        apply_cp(model, world_mesh["cp"])
     ac = job_config.activation_checkpoint
     if ac.mode != "none":
         apply_ac(model, ac.mode, ac.selective_ac_option)
@@ -60,7 +64,7 @@ def parallelize_llama(
         param_dtype=DTYPES[job_config.training.mixed_precision_param],
         reduce_dtype=DTYPES[job_config.training.mixed_precision_reduce],
     )
-    if parallel_dims.dp_shard_enabled:
+    if parallel_dims.fsdp_enabled:
         if par.fsdp_reshard_after_forward == "default":
             # With PP each micro-batch would gather the stage's parameters again.
             reshard = False if parallel_dims.pp_enabled else "all_but_last"
@@ -75,7 +79,7 @@ def parallelize_llama(
             backward_prefetch=par.fsdp_backward_prefetch,
             # The chunked loss reads the output projection's weight after the root's forward.
             keep_root_after_forward=job_config.training.loss_chunk_tokens > 0,
-            moe_meshes=parallel_dims.moe_fsdp_meshes(world_mesh),
+            moe_meshes=parallel_dims.moe_fsdp_meshes(world_mesh) if spec.moe else (None, None),
         )
     elif parallel_dims.dp_replicate_enabled:
         apply_ddp(model, world_mesh["dp_replicate"], mp_policy)
@@ -83,9 +87,10 @@ def parallelize_llama(
 
 
 def fsdp_mesh(world_mesh: DeviceMesh, parallel_dims: ParallelDims) -> DeviceMesh:
-    """The mesh FSDP shards blocks over: a 2-D (replicate, shard) one makes fully_shard do HSDP."""
-    dims = ("dp_replicate", "dp_shard") if parallel_dims.dp_replicate_enabled else ("dp_shard",)
-    return world_mesh[dims]
+    """The mesh FSDP shards blocks over (dp_shard x cp): a 2-D (replicate, shard) one makes fully_shard do
+    HSDP."""
+    shard = parallel_dims.fsdp_dim()
+    return world_mesh[("dp_replicate", shard) if parallel_dims.dp_replicate_enabled else (shard,)]
 
 
 def apply_tp(
@@ -176,6 +181,8 @@ _SAVE_LIST = {
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
     # Expert parallelism's token exchange: recomputing it would repeat the all-to-all.
     torch.ops._c10d_functional.all_to_all_single.default,
+    # Context parallelism's keys and values.
+    torch.ops._c10d_functional.all_gather_into_tensor.default,
 }
 
 

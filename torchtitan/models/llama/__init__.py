@@ -78,6 +78,18 @@ llama3_configs = {
         multiple_of=1024,
         rope_theta=500000,
     ),
+    # Llama 3.1 8B: 8B's shape, its RoPE frequencies scaled for a 128K context
+    # (train_configs/llama3_8b_128k.toml).
+    "3.1_8B": ModelArgs(
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
+        multiple_of=1024,
+        rope_theta=500000,
+        use_scaled_rope=True,
+    ),
     "70B": ModelArgs(
         dim=8192,
         n_layers=80,

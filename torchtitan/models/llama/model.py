@@ -66,6 +66,21 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     )
 
 
+class CausalAttention(nn.Module):
+    """Causal scaled dot-product attention over (bs, seqlen, heads, head_dim) queries, keys and values,
+    each kv head serving n_heads / n_kv_heads consecutive query heads (GQA); returns the same layout.
+
+    A module of its own so that context parallelism can put in its place one that attends to the keys
+    of the whole sequence (torchtitan/parallelisms/context_parallel.py)."""
+
+    def forward(self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor) -> torch.Tensor:
+        n_rep = xq.shape[2] // xk.shape[2]
+        keys, values = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
+        # (bs, n_heads, seqlen, head_dim) layout for SDPA.
+        xq, keys, values = (t.transpose(1, 2) for t in (xq, keys, values))
+        return F.scaled_dot_product_attention(xq, keys, values, is_causal=True).transpose(1, 2)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm, computed in float32."""
 
@@ -97,12 +112,12 @@ class Attention(nn.Module):
     def __init__(self, model_args: ModelArgs):
         super().__init__()
         n_kv_heads = model_args.n_kv_heads or model_args.n_heads
-        self.n_rep = model_args.n_heads // n_kv_heads
         self.head_dim = model_args.head_dim
         self.wq = nn.Linear(model_args.dim, model_args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(model_args.dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(model_args.dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(model_args.n_heads * self.head_dim, model_args.dim, bias=False)
+        self.sdpa = CausalAttention()
 
     def init_weights(self, init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -117,13 +132,7 @@ class Attention(nn.Module):
         xk = xk.view(bs, seqlen, -1, self.head_dim)
         xv = xv.view(bs, seqlen, -1, self.head_dim)
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis[:seqlen])
-
-        keys = repeat_kv(xk, self.n_rep)
-        values = repeat_kv(xv, self.n_rep)
-        # (bs, n_heads, seqlen, head_dim) layout for SDPA.
-        xq, keys, values = (t.transpose(1, 2) for t in (xq, keys, values))
-        output = F.scaled_dot_product_attention(xq, keys, values, is_causal=True)
-        output = output.transpose(1, 2).contiguous().view(bs, seqlen, -1)
+        output = self.sdpa(xq, xk, xv).contiguous().view(bs, seqlen, -1)
         return self.wo(output)
 
 

@@ -3,7 +3,6 @@ half-rotation RoPE) and an exact SwiGLU size; the embeddings, blocks, final norm
 seeded init and pipeline-stage shape are Llama's (torchtitan/models/llama/model.py)."""
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from torchtitan.models.init import ones_
@@ -53,12 +52,7 @@ class Attention(llama.Attention):
         xk = self.k_norm(xk.view(bs, seqlen, -1, self.head_dim))
         xv = xv.view(bs, seqlen, -1, self.head_dim)
         xq, xk = apply_rotary_emb(xq, xk, freqs_cis[:seqlen])
-
-        keys = llama.repeat_kv(xk, self.n_rep)
-        values = llama.repeat_kv(xv, self.n_rep)
-        xq, keys, values = (t.transpose(1, 2) for t in (xq, keys, values))
-        output = F.scaled_dot_product_attention(xq, keys, values, is_causal=True)
-        output = output.transpose(1, 2).contiguous().view(bs, seqlen, -1)
+        output = self.sdpa(xq, xk, xv).contiguous().view(bs, seqlen, -1)
         return self.wo(output)
 
 
