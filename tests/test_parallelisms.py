@@ -91,7 +91,8 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
             2,
             ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
             "degrees multiply to 4 (data_parallel_replicate_degree 1 x data_parallel_shard_degree 2 x "
-            "tensor_parallel_degree 2 x pipeline_parallel_degree 1) but the world size is 2",
+            "context_parallel_degree 1 x tensor_parallel_degree 2 x pipeline_parallel_degree 1) but the "
+            "world size is 2",
         ),
         (
             3,

@@ -70,10 +70,10 @@ def check_parallelism(job_config: JobConfig, parallel_dims: ParallelDims, model_
             "context-parallel rank holds two of 2 x CP equal chunks of every sequence); change one of them"
         )
     if (seq_len // cp) % tp:
+        split = f"{seq_len} / context_parallel_degree {cp}" if cp > 1 else str(seq_len)
         raise ConfigError(
-            f"training.seq_len: {seq_len} / context_parallel_degree {cp} is not divisible by "
-            f"tensor_parallel_degree {tp} (sequence parallelism splits each rank's tokens); change one of "
-            "them"
+            f"training.seq_len: {split} is not divisible by tensor_parallel_degree {tp} (sequence "
+            "parallelism splits each rank's tokens); change one of them"
         )
     option = job_config.activation_checkpoint.selective_ac_option
     digits = option.isascii() and option.isdigit() and len(option) <= 9  # no "²", no 4300-digit int()
