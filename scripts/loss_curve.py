@@ -1,0 +1,86 @@
+"""The default recipe's stored loss curve, which CI holds the code to (tests/test_loss_curve.py).
+
+    python scripts/loss_curve.py            # train the recipe and compare it with the stored curve
+    python scripts/loss_curve.py --update   # train it and store its curve
+
+The curve is train_configs/debug_model.toml's 100 steps as `./run_llama_train.sh` trains them (fp32,
+one process, one intra-op thread so that the sums are the same on any machine): every step's loss and
+gradient norm, and the validation loss at steps 50 and 100, in tests/assets/losses/debug_model.json.
+A change that moves the numerics (the model, its init, the data order, the optimizer, the loss) makes
+the comparison fail; when the move is meant, --update stores the new curve and the commit says why.
+Exit code 1 when a value differs from the stored one by more than --tol (default 1e-6).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CURVE = ROOT / "tests" / "assets" / "losses" / "debug_model.json"
+RECIPE = "train_configs/debug_model.toml"
+# Every step logged; no checkpoints (they take time and change nothing).
+ARGS = ["--job.config_file", RECIPE, "--metrics.log_freq", "1", "--checkpoint.enable_checkpoint", "false"]
+
+
+def train(dump_folder: Path) -> dict:
+    """The recipe's curve: train.py run as a program, read back from its metrics.jsonl."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, str(ROOT / "train.py"), *ARGS, "--job.dump_folder", str(dump_folder)]
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"train.py exited with {result.returncode}:\n{result.stderr[-3000:]}")
+    records = [json.loads(line) for line in (dump_folder / "metrics.jsonl").read_text().splitlines()]
+    return {
+        "command": ["train.py", *ARGS],
+        "torch": torch.__version__,
+        "loss": {r["step"]: r["loss"] for r in records if "loss" in r},
+        "grad_norm": {r["step"]: r["grad_norm"] for r in records if "grad_norm" in r},
+        "validation_loss": {r["step"]: r["validation_loss"] for r in records if "validation_loss" in r},
+    }
+
+
+def stored() -> dict:
+    curve = json.loads(CURVE.read_text())
+    for key in ("loss", "grad_norm", "validation_loss"):
+        curve[key] = {int(step): value for step, value in curve[key].items()}
+    return curve
+
+
+def differences(run: dict, reference: dict, tol: float) -> list[str]:
+    """One line per value of `run` more than `tol` away from `reference`'s (or missing on one side)."""
+    lines = []
+    for key in ("loss", "grad_norm", "validation_loss"):
+        if sorted(run[key]) != sorted(reference[key]):
+            lines.append(f"{key}: logged at steps {sorted(run[key])}, stored at {sorted(reference[key])}")
+            continue
+        for step, value in run[key].items():
+            if abs(value - reference[key][step]) > tol:
+                lines.append(f"{key} at step {step}: {value!r}, stored {reference[key][step]!r}")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--update", action="store_true", help="store this run's curve")
+    parser.add_argument("--tol", type=float, default=1e-6, help="largest allowed difference (default 1e-6)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="loss-curve-") as tmp:
+        run = train(Path(tmp))
+    if args.update:
+        CURVE.parent.mkdir(parents=True, exist_ok=True)
+        CURVE.write_text(json.dumps(run, indent=1) + "\n")
+        print(f"stored {len(run['loss'])} steps in {CURVE.relative_to(ROOT)}")
+        return 0
+    lines = differences(run, stored(), args.tol)
+    print("\n".join(lines) or f"the curve is the stored one (within {args.tol:g})")
+    return 1 if lines else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
