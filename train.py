@@ -13,20 +13,14 @@ from torchtitan.config_manager import JobConfig, resolve_path
 from torchtitan.config_rules import check_layout, gradient_accumulation_steps, mixture_sources
 from torchtitan.datasets.hf_datasets import build_hf_data_loader
 from torchtitan.datasets.tokenizer import build_tokenizer
-from torchtitan.distributed import (
-    clip_grad_norm_,
-    dist_mean,
-    dist_sum,
-    init_distributed,
-    set_collective_timeout,
-)
+from torchtitan.distributed import clip_grad_norm_, global_mean_loss, init_distributed, set_collective_timeout
 from torchtitan.errors import EXIT_OK, bad_input
 from torchtitan.load_balance import LoadBalance
 from torchtitan.logging import init_logger, logger
 from torchtitan.metrics import MetricLogger, peak_flops
 from torchtitan.models import build_model_args, model_spec
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer
-from torchtitan.parallelisms.float8 import precompute_float8_scales, precomputes_float8_scales
+from torchtitan.parallelisms.float8 import float8_scales_are_precomputed, precompute_float8_scales
 from torchtitan.parallelisms.parallelize_llama import DTYPES
 from torchtitan.profiling import maybe_enable_profilers
 from torchtitan.reliability.entry import run_job
@@ -127,7 +121,7 @@ def main(job_config: JobConfig) -> int:
         validator = Validator(job_config, train_step, tokenizer, meshes)
     params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
     # Float8 FSDP all-gathers: the next step's weight scales, in one all-reduce after each update.
-    precompute_scales = precomputes_float8_scales(job_config, parallel_dims)
+    precompute_scales = float8_scales_are_precomputed(job_config, parallel_dims)
     stop_request = StopRequest()  # SIGTERM/SIGUSR1: save and stop after a step
     nonfinite = NonFiniteGuard(training.skip_nonfinite_steps)
     logger.info(
@@ -157,7 +151,7 @@ def main(job_config: JobConfig) -> int:
             metric_logger.step_done()
 
             if metric_logger.should_log(step):
-                loss_value = dist_mean(dist_sum(loss, meshes.pp) if meshes.pp else loss, meshes.dp_cp)
+                loss_value = global_mean_loss(loss, meshes)
                 metric_logger.log(
                     step,
                     loss_value,

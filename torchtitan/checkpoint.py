@@ -43,9 +43,8 @@ from torchtitan.checkpoint_folder import (
 from torchtitan.config_manager import ConfigError, JobConfig
 from torchtitan.errors import CheckpointWriteError, os_error_behind
 from torchtitan.logging import logger
+from torchtitan.parallelisms.parallelize_llama import DTYPES
 from torchtitan.safe_dcp import SafeLoadPlanner, SafeReader, read_checkpoint, saved_entries
-
-EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def merge_model_parts(model_parts: list[nn.Module]) -> nn.Module:
@@ -386,7 +385,7 @@ class CheckpointManager:
         tmp = self._path(step) + ".tmp"
         state: dict[str, Any] = self.states
         if last_step and self.checkpoint_config.model_weights_only:
-            dtype = EXPORT_DTYPES[self.checkpoint_config.export_dtype]
+            dtype = DTYPES[self.checkpoint_config.export_dtype]
             state = {"model": {k: v.to(dtype) for k, v in self.states["model"].state_dict().items()}}
         if self._stager is None or last_step:
             with self._write_errors_reported(step):

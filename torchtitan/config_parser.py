@@ -45,11 +45,6 @@ def _type_name(tp: Any) -> str:
     return name + (" (optional)" if optional else "")
 
 
-def _shown(name: str) -> str:
-    """A user's name as given, or its repr where a newline or control character would break the line."""
-    return name if name.isprintable() else repr(name)
-
-
 def _closest(name: str, candidates: list[str]) -> str:
     match = difflib.get_close_matches(name, candidates, n=1)
     return f"; did you mean '{match[0]}'?" if match else f"; valid: {', '.join(candidates)}"
@@ -154,7 +149,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     for arg in argv:
         if arg.startswith("--") and arg[2:].split("=", 1)[0] not in table:
             name = arg[2:].split("=", 1)[0]
-            raise ConfigError(f"unknown option --{_shown(name)}{_closest(name, list(table))}")
+            raise ConfigError(f"unknown option --{shown(name)}{_closest(name, list(table))}")
     overrides = vars(parser.parse_args(argv))
     config_file = overrides.pop("job.config_file", None)
     toml_data = load_toml(config_file) if config_file else {}
@@ -191,14 +186,14 @@ def from_dict(data: dict[str, Any]) -> JobConfig:
     sections = _sections()
     for sec, values in data.items():
         if sec not in sections:
-            raise ConfigError(f"unknown TOML section [{_shown(sec)}]{_closest(sec, list(sections))}")
+            raise ConfigError(f"unknown TOML section [{shown(sec)}]{_closest(sec, list(sections))}")
         if not isinstance(values, dict):
             raise ConfigError(f"[{sec}] must be a table, got {type(values).__name__}")
         for name, value in values.items():
             key = f"{sec}.{name}"
             if key not in table:
                 keys = [k.split(".", 1)[1] for k in table if k.startswith(sec + ".")]
-                raise ConfigError(f"unknown option {_shown(name)!r} in [{sec}]{_closest(name, keys)}")
+                raise ConfigError(f"unknown option {shown(name)!r} in [{sec}]{_closest(name, keys)}")
             _, _, tp, meta = table[key]
             setattr(getattr(config, sec), name, _check_value(key, value, tp, meta))
     return config

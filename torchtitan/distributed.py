@@ -9,6 +9,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
+from torchtitan.parallelisms.parallel_dims import Meshes
+
 
 def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -65,6 +67,12 @@ def dist_sum(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     x = x.detach().clone()
     dist.all_reduce(x, group=mesh.get_group())
     return x
+
+
+def global_mean_loss(loss: torch.Tensor, meshes: Meshes) -> float:
+    """A rank's loss as the whole global batch's: summed over the pipeline (its last stage holds it, the
+    others 0), averaged over the ranks whose tokens differ (dp x cp: each holds as many tokens)."""
+    return dist_mean(dist_sum(loss, meshes.pp) if meshes.pp is not None else loss, meshes.dp_cp)
 
 
 def _reduced(placement: Placement) -> Placement:

@@ -16,9 +16,10 @@ from torchtitan.config_manager import ConfigError
 TEXT_SAMPLE_BYTES = 1 << 20
 
 
-def shown(path: str) -> str:
-    """The path as given, or its repr where a newline or control character would break the one line."""
-    return path if path.isprintable() else repr(path)
+def shown(text: str) -> str:
+    """A user's text (a path, an option's name) as given, or its repr where a newline or control
+    character would break the one line."""
+    return text if text.isprintable() else repr(text)
 
 
 def _kind(mode: int) -> str:

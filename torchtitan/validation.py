@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torchtitan.config_manager import ConfigError, JobConfig
 from torchtitan.datasets.hf_datasets import build_hf_data_loader
 from torchtitan.datasets.tokenizer import AnyTokenizer
-from torchtitan.distributed import dist_mean, dist_sum
+from torchtitan.distributed import global_mean_loss
 from torchtitan.errors import bad_input
 from torchtitan.models import vocab_size
 from torchtitan.parallelisms.parallel_dims import Meshes
@@ -85,9 +85,7 @@ class Validator:
         if self.steps != -1:
             batches = itertools.islice(batches, self.steps)
         loss_sum, count = self.train_step.evaluate(batches)
-        if self.meshes.pp is not None:  # the last stage's ranks hold the loss, the others 0
-            loss_sum = dist_sum(loss_sum, self.meshes.pp)
-        loss = dist_mean(loss_sum, self.meshes.dp_cp) / count
+        loss = global_mean_loss(loss_sum, self.meshes) / count
         return ValidationResult(loss, count * self.tokens_per_batch, time.perf_counter() - start)
 
 

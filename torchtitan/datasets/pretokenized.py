@@ -38,7 +38,7 @@ from torchtitan.logging import logger
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SHARD_SUFFIX = ".bin"
-DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 RERUN = "re-run scripts/pretokenize.py"
 
 
@@ -99,9 +99,9 @@ def read_manifest(folder: Path, tokenizer_path: str | Path, vocab_size: int) -> 
             f"{folder} holds token ids up to {tokenizer['vocab_size'] - 1}, beyond the model's vocabulary of "
             f"{vocab_size} (model.vocab_size): {RERUN} with the model's tokenizer"
         )
-    if manifest["dtype"] not in DTYPES:
+    if manifest["dtype"] not in TOKEN_DTYPES:
         raise ValueError(f"{folder / MANIFEST} names an unknown dtype {manifest['dtype']!r}; {RERUN}")
-    itemsize = np.dtype(DTYPES[manifest["dtype"]]).itemsize
+    itemsize = np.dtype(TOKEN_DTYPES[manifest["dtype"]]).itemsize
     for shard in manifest["shards"]:
         path = folder / shard["tokens"]
         size = path.stat().st_size if path.is_file() else None
@@ -152,7 +152,7 @@ class TokenWindows:
     index from memory maps: window w is tokens ``[w * window, (w + 1) * window)``, the tail dropped."""
 
     def __init__(self, folder: Path, manifest: dict[str, Any], window: int):
-        dtype = DTYPES[manifest["dtype"]]
+        dtype = TOKEN_DTYPES[manifest["dtype"]]
         shards = [s for s in manifest["shards"] if s["num_tokens"] > 0]
         self._tokens = [np.memmap(folder / s["tokens"], dtype=dtype, mode="r") for s in shards]
         self._starts = np.cumsum([0] + [s["num_tokens"] for s in shards]).tolist()
@@ -263,7 +263,7 @@ _worker: dict[str, Any] = {}
 def _init_worker(tokenizer_path: str, dtype: str, folder: str) -> None:
     from torchtitan.datasets.tokenizer import build_tokenizer
 
-    _worker.update(tokenizer=build_tokenizer(tokenizer_path), dtype=DTYPES[dtype], folder=Path(folder))
+    _worker.update(tokenizer=build_tokenizer(tokenizer_path), dtype=TOKEN_DTYPES[dtype], folder=Path(folder))
 
 
 def _write_shard(index: int, texts: list[str]) -> dict[str, Any]:

@@ -125,7 +125,7 @@ def tp_styles(module: nn.Module, float8_tensorwise: bool) -> tuple[type, type, t
     return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
 
-def precomputes_float8_scales(job_config: JobConfig, parallel_dims: ParallelDims) -> bool:
+def float8_scales_are_precomputed(job_config: JobConfig, parallel_dims: ParallelDims) -> bool:
     """Whether each optimizer step is followed by `precompute_float8_scales`."""
     float8_config = job_config.float8
     return (

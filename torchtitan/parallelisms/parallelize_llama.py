@@ -34,7 +34,8 @@ from torchtitan.parallelisms.expert_parallel import apply_ep
 from torchtitan.parallelisms.float8 import float8_tensorwise_tp, tp_styles
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# torch's dtypes by the names the options take (training.mixed_precision_*, checkpoint.export_dtype).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def parallelize_llama(
