@@ -148,6 +148,17 @@ def complete_checkpoints(dump_folder: Path) -> list[str]:
     )
 
 
+def kill_once_saved(job: Job, dump_folder: Path, step: int, timeout: float = 300) -> None:
+    """SIGKILL every rank of `job` as soon as checkpoint step-`step` is complete in `dump_folder`."""
+    deadline = time.monotonic() + timeout
+    while f"step-{step}" not in complete_checkpoints(dump_folder):
+        assert job.running() and time.monotonic() < deadline, job.output(0)[-3000:]
+        time.sleep(0.01)
+    ranks = list(range(len(job.procs)))
+    job.signal(ranks, signal.SIGKILL)
+    assert job.wait(30) == [-signal.SIGKILL] * len(ranks)
+
+
 def run_to_end(nproc: int, dump_folder: Path, *args: str) -> Job:
     job = Job(nproc, dump_folder, *JOB, *args)
     codes = job.wait(600)

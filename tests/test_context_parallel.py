@@ -6,8 +6,6 @@ test_parity.py; a checkpoint of FSDP resumed by CP 2: test_qwen3_resume.py; ever
 scripts/parity_matrix.py."""
 
 import shutil
-import signal
-import time
 
 import pytest
 import torch
@@ -89,13 +87,7 @@ def test_cp2_matches_one_process_and_resumes_exactly(tmp_path, reference_run):
     # Killed with SIGKILL (both ranks) once step 6 is saved, relaunched: the same losses, bit for bit.
     shutil.copytree(straight / "checkpoint" / "step-4", killed / "checkpoint" / "step-4")
     argv = [*TINY_JOB, *CP2.argv(10)]
-    job = chaos.Job(2, killed, *argv)
-    deadline = time.monotonic() + 300
-    while "step-6" not in chaos.complete_checkpoints(killed):
-        assert job.running() and time.monotonic() < deadline, job.output(0)[-3000:]
-        time.sleep(0.01)
-    job.signal([0, 1], signal.SIGKILL)
-    assert job.wait(30) == [-signal.SIGKILL] * 2
+    chaos.kill_once_saved(chaos.Job(2, killed, *argv), killed, 6)
     relaunch = chaos.Job(2, killed, *argv)
     assert relaunch.wait(300) == [0, 0], relaunch.output(0)[-3000:]
     assert "Resumed from step 6" in relaunch.output(0)

@@ -5,8 +5,6 @@ and relaunched bit for bit (biases and optimizer state included); EP 2's checkpo
 process within 1e-5. Parity with one process on every layout: test_parity.py, scripts/parity_matrix.py."""
 
 import shutil
-import signal
-import time
 
 import torch
 from launch import read_metrics, run_train
@@ -66,13 +64,7 @@ def test_moe_resumes_across_expert_parallel_layouts_and_after_sigkill(tmp_path):
     # EP 2 killed once step 6 is saved (by background processes: async), relaunched: EP 2's losses and
     # biases, bit for bit.
     copy_step(single, 4, killed)
-    job = chaos.Job(2, killed, *chaos.JOB, *MOE, *ep(2), *ASYNC)
-    deadline = time.monotonic() + 300
-    while "step-6" not in chaos.complete_checkpoints(killed):
-        assert job.running() and time.monotonic() < deadline, job.output(0)[-3000:]
-        time.sleep(0.01)
-    job.signal([0, 1], signal.SIGKILL)
-    assert job.wait(30) == [-signal.SIGKILL] * 2
+    chaos.kill_once_saved(chaos.Job(2, killed, *chaos.JOB, *MOE, *ep(2), *ASYNC), killed, 6)
     relaunch = chaos.run_to_end(2, killed, *MOE, *ep(2), *ASYNC)
     assert "Resumed from step 6" in relaunch.output(0)
     logged = chaos.losses(killed)  # both launches'

@@ -5,7 +5,7 @@ itself is `torchtitan.models.llama.model.Transformer`. `vocab_size` is left at -
 flavour: the trainer sets it from the tokenizer.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass
@@ -78,18 +78,6 @@ llama3_configs = {
         multiple_of=1024,
         rope_theta=500000,
     ),
-    # Llama 3.1 8B: 8B's shape, its RoPE frequencies scaled for a 128K context
-    # (train_configs/llama3_8b_128k.toml).
-    "3.1_8B": ModelArgs(
-        dim=4096,
-        n_layers=32,
-        n_heads=32,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.3,
-        multiple_of=1024,
-        rope_theta=500000,
-        use_scaled_rope=True,
-    ),
     "70B": ModelArgs(
         dim=8192,
         n_layers=80,
@@ -109,3 +97,6 @@ llama3_configs = {
         rope_theta=500000,
     ),
 }
+# Llama 3.1 8B: 8B's shape, its RoPE frequencies scaled for a 128K context
+# (train_configs/llama3_8b_128k.toml).
+llama3_configs["3.1_8B"] = replace(llama3_configs["8B"], use_scaled_rope=True)
