@@ -46,7 +46,7 @@ def autocast_context(
 ) -> contextlib.AbstractContextManager:
     """Without FSDP/DDP there is no MixedPrecisionPolicy to cast parameters, so autocast does it."""
     param_dtype = DTYPES[training_config.mixed_precision_param]
-    wrapped = parallel_dims.dp_enabled or parallel_dims.fsdp_enabled
+    wrapped = parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled  # parallelize_llama's test
     if not wrapped and param_dtype != torch.float32:
         return torch.autocast(device.type, dtype=param_dtype)
     return contextlib.nullcontext()
