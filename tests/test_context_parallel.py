@@ -64,6 +64,19 @@ def test_chunks_attend_to_every_earlier_key(chunk, ends):
         torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
 
 
+def test_chunks_attend_in_autocasts_dtype():
+    """Mixed precision: fp32 queries and keys (Qwen3's q/k norms keep fp32) with bf16 values attend in
+    bf16, as SDPA does under autocast."""
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 16, 8, generator=generator) for _ in range(2))
+    v = torch.randn(1, 2, 16, 8, generator=generator).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = chunked_causal_attention(q, k, v, [8, 16])
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    assert out.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(out, want, atol=1e-2, rtol=0)
+
+
 def test_the_cuda_bias_is_that_mask_and_is_made_under_selective_checkpointing():
     """CUDA's lower-right causal bias (fused kernels), made inside selective AC's dispatch mode."""
     with create_selective_checkpoint_contexts(lambda *args, **kwargs: CheckpointPolicy.PREFER_RECOMPUTE)[0]:

@@ -401,6 +401,23 @@ def _moe_step(model: nn.Module, tokens: torch.Tensor, dp_mesh, worst_case: bool,
     return loss, aux_loss, {clean_fqn(n): _full(p.grad) for n, p in model.named_parameters()}
 
 
+def _bf16_step(args, cls, dims: ParallelDims | None, tokens: torch.Tensor, **parallelism) -> tuple:
+    """One bf16 training step (TrainStep: autocast, and FSDP/DDP's mixed precision) of a model whose norm
+    weights were moved off 1 by less than bf16's step there: its loss and full gradients."""
+    config = _config(**parallelism)
+    config.training.mixed_precision_param, config.training.batch_size = "bfloat16", tokens.shape[0]
+    config.model.name = "qwen3" if cls is Qwen3Transformer else "llama3"
+    model = _build(args, dims.build_mesh("cpu") if dims else None, dims, config, cls)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.003)
+    dims = dims or ParallelDims(dp_shard=1, world_size=1)
+    step = TrainStep([model], None, dims, config.training, torch.device("cpu"))
+    loss = step.forward_backward(iter([(tokens[:, :-1], tokens[:, 1:])]), microbatches=1)
+    return _full(loss), {clean_fqn(n): _full(p.grad) for n, p in model.named_parameters()}
+
+
 def _mesh_worker(rank: int, world_size: int, tmp_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp_dir}/store", rank=rank, world_size=world_size)
@@ -491,6 +508,15 @@ def _mesh_worker(rank: int, world_size: int, tmp_dir: str) -> None:
         tokens = moe_batch[dp_rank : dp_rank + 1]
         results["moe_ep_tp"] = _moe_step(model, tokens, mesh["dp_shard"], False, mesh["tp"])
 
+        # bf16 on FSDP 4 (Llama: the embeddings a unit of their own) and DDP 4 (Qwen3, tied embeddings:
+        # the root keeps the table), each rank on the same batch.
+        tokens = torch.randint(0, TINY.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+        results["bf16_fsdp"] = _bf16_step(TINY, Transformer, ParallelDims(dp_shard=4, world_size=4), tokens)
+        ddp = ParallelDims(dp_shard=1, dp_replicate=4, world_size=4)
+        results["bf16_ddp"] = _bf16_step(
+            QWEN3_TINY, Qwen3Transformer, ddp, tokens, data_parallel_replicate_degree=4
+        )
+
         counter = _CountCollectives()
         batches = torch.randint(0, TINY.vocab_size, (2, 2, 17), generator=torch.Generator().manual_seed(rank))
         for case, dims in {
@@ -572,6 +598,21 @@ def test_qwen3_tied_on_fsdp_tp_matches_single_process(mesh_results):
     torch.testing.assert_close(got_norm.float(), norm.float(), rtol=1e-6, atol=0)
     for name, grad in grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("case", ["bf16_fsdp", "bf16_ddp"])
+def test_bf16_on_fsdp_and_ddp_computes_what_one_process_does(mesh_results, case):
+    """One mixed-precision semantics on every layout (docs/numerics.md): FSDP's and DDP's units round the
+    matmul weights as one process's autocast does, and keep the norms, the embeddings and the residual
+    stream in fp32. Casting every parameter and the blocks' inputs (FSDP's default) moves this loss by
+    about 1e-3."""
+    args, cls = (TINY, Transformer) if case == "bf16_fsdp" else (QWEN3_TINY, Qwen3Transformer)
+    tokens = torch.randint(0, TINY.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    loss, grads = _bf16_step(args, cls, None, tokens)
+    got_loss, got_grads = mesh_results[case]
+    torch.testing.assert_close(got_loss, loss, rtol=0, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-3, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("case", ["hsdp", "ddp"])

@@ -118,7 +118,8 @@ class TrainingConfig:
     gc_freq: int = opt(50, "Run Python's garbage collector every N steps (automatic GC is disabled)", min=1)
     mixed_precision_param: str = opt(
         "bfloat16",
-        "Dtype of parameters in forward/backward (FSDP) or autocast",
+        "Dtype of the matmuls (autocast, on every layout; FSDP/DDP gather their weights in it); norms, "
+        "embeddings, the residual stream and the loss stay fp32 (docs/numerics.md)",
         choices=("bfloat16", "float32"),
     )
     mixed_precision_reduce: str = opt(

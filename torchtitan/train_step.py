@@ -42,12 +42,12 @@ def stage_loss_fn(
 
 
 def autocast_context(
-    parallel_dims: ParallelDims, training_config: TrainingConfig, device: torch.device
+    training_config: TrainingConfig, device: torch.device
 ) -> contextlib.AbstractContextManager:
-    """Without FSDP/DDP there is no MixedPrecisionPolicy to cast parameters, so autocast does it."""
+    """The matmuls in `mixed_precision_param`, everything else in fp32, on every layout: under FSDP/DDP
+    the blocks' weights arrive in that dtype already (parallelize_llama.mixed_precision_policies)."""
     param_dtype = DTYPES[training_config.mixed_precision_param]
-    wrapped = parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled  # parallelize_llama's test
-    if not wrapped and param_dtype != torch.float32:
+    if param_dtype != torch.float32:
         return torch.autocast(device.type, dtype=param_dtype)
     return contextlib.nullcontext()
 
@@ -103,7 +103,7 @@ class TrainStep:
             )
         self.device = device
         self.grad_accum_steps = gradient_accumulation_steps(training_config, parallel_dims)
-        self.autocast = autocast_context(parallel_dims, training_config, device)
+        self.autocast = autocast_context(training_config, device)
         # Loss parallel: the cross entropy (forward and backward) on vocabulary-sharded logits.
         self.loss_context = loss_parallel if parallel_dims.loss_parallel_enabled else contextlib.nullcontext
         # Compiled, the loss fuses the upcast, log-softmax and their backward over the (large) logits:

@@ -106,7 +106,7 @@ def build_step(
         model = model_spec(cfg.model).build(model_args)
     stage_io = None
     if parallel_dims.pp_enabled and fake_mode is not None:
-        autocast = autocast_context(parallel_dims, cfg.training, device)
+        autocast = autocast_context(cfg.training, device)
         stage_io = pipeline_stage_io(
             model, world_mesh, parallel_dims, cfg, device, fake_mode, autocast, vocab_size
         )

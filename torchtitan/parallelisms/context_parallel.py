@@ -80,7 +80,11 @@ def chunked_causal_attention(
     On CUDA, SDPA with its lower-right causal bias per chunk, which keeps the fused kernels. On CPU, CPU
     flash attention per chunk on the keys before its block (all visible) and on the block (causal),
     merged by their log-sum-exps, into one output: no queries x keys mask is made and kept for backward,
-    and the output is kept once (as the model's output projection's input too)."""
+    and the output is kept once (as the model's output projection's input too). Under autocast it runs
+    in autocast's dtype, as SDPA would (Qwen3's fp32 q/k norms make q and k fp32, v is bf16)."""
+    if torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(dtype) for t in (q, k, v))
     if q.device.type == "cpu":
         return _CpuChunkedCausalAttention.apply(q, k, v, ends)
     chunk = q.shape[2] // len(ends)

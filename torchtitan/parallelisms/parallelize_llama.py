@@ -28,6 +28,7 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_sel
 
 from torchtitan.config_manager import JobConfig
 from torchtitan.models import model_spec
+from torchtitan.models.llama.model import RMSNorm
 from torchtitan.models.moe import MoE
 from torchtitan.parallelisms.context_parallel import apply_cp
 from torchtitan.parallelisms.expert_parallel import apply_ep
@@ -58,13 +59,14 @@ def parallelize_llama(
     ac = job_config.activation_checkpoint
     if ac.mode != "none":
         apply_ac(model, ac.mode, ac.selective_ac_option)
+    wrapped = parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled
+    mp_policy, fp32_policy = mixed_precision_policies(job_config)
+    # Mixed precision under FSDP/DDP: the fp32 units (norms and embeddings) are units of their own,
+    # whose hooks dynamo cannot trace inside a compiled block (apply_compile).
+    fp32_policy = fp32_policy if wrapped and mp_policy.param_dtype != torch.float32 else None
     if job_config.training.compile:
-        apply_compile(model)
+        apply_compile(model, fullgraph=fp32_policy is None)
 
-    mp_policy = MixedPrecisionPolicy(
-        param_dtype=DTYPES[job_config.training.mixed_precision_param],
-        reduce_dtype=DTYPES[job_config.training.mixed_precision_reduce],
-    )
     if parallel_dims.fsdp_enabled:
         if par.fsdp_reshard_after_forward == "default":
             # With PP each micro-batch would gather the stage's parameters again.
@@ -75,6 +77,7 @@ def parallelize_llama(
             model,
             fsdp_mesh(world_mesh, parallel_dims),
             mp_policy,
+            fp32_policy,
             reshard_after_forward=reshard,
             forward_prefetch=par.fsdp_forward_prefetch,
             backward_prefetch=par.fsdp_backward_prefetch,
@@ -83,8 +86,27 @@ def parallelize_llama(
             moe_meshes=parallel_dims.moe_fsdp_meshes(world_mesh) if spec.moe else (None, None),
         )
     elif parallel_dims.dp_replicate_enabled:
-        apply_ddp(model, world_mesh["dp_replicate"], mp_policy)
+        apply_ddp(model, world_mesh["dp_replicate"], mp_policy, fp32_policy)
     return model
+
+
+def mixed_precision_policies(job_config: JobConfig) -> tuple[MixedPrecisionPolicy, MixedPrecisionPolicy]:
+    """FSDP's and DDP's part of the one mixed-precision semantics of every layout (docs/numerics.md):
+    (the matmul weights' policy, the fp32 one of the norms' and embeddings' units: fp32_units).
+
+    Autocast runs the matmuls in `mixed_precision_param` on every layout (train_step.autocast_context)
+    and keeps everything else in fp32. FSDP gathers the matmul weights in that dtype, which rounds them
+    as autocast would before a matmul, at half the traffic, and the norms' weights and the embeddings
+    in fp32, as autocast leaves them; no unit casts its inputs, so the residual stream stays fp32.
+    Casting those too (FSDP's default) gave 3.4x one process's bf16 error: a norm weight near 1 moves
+    by less than bf16's step there, and the residual stream is rounded at every block."""
+    reduce_dtype = DTYPES[job_config.training.mixed_precision_reduce]
+    blocks = MixedPrecisionPolicy(
+        param_dtype=DTYPES[job_config.training.mixed_precision_param],
+        reduce_dtype=reduce_dtype,
+        cast_forward_inputs=False,
+    )
+    return blocks, MixedPrecisionPolicy(reduce_dtype=reduce_dtype, cast_forward_inputs=False)
 
 
 def fsdp_mesh(world_mesh: DeviceMesh, parallel_dims: ParallelDims) -> DeviceMesh:
@@ -234,12 +256,13 @@ def apply_ac(model: nn.Module, mode: str, selective_ac_option: str) -> None:
         model.layers.register_module(layer_id, wrapped)
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
     """Compile each block separately: blocks are identical, so one graph serves them all, and FSDP's
     hooks stay outside the compiled code. A mixture-of-experts block is compiled around its expert
-    dispatch, whose shapes depend on the routing (MoE.run_experts)."""
+    dispatch, whose shapes depend on the routing (MoE.run_experts). Without `fullgraph` a block may
+    compile in pieces: around its norms when they are FSDP units of their own (mixed precision)."""
     for layer_id, block in model.layers.named_children():
-        fullgraph = not any(isinstance(m, MoE) for m in block.modules())
+        fullgraph = fullgraph and not any(isinstance(m, MoE) for m in block.modules())
         model.layers.register_module(layer_id, torch.compile(block, fullgraph=fullgraph))
 
 
@@ -247,6 +270,7 @@ def apply_fsdp(
     model: nn.Module,
     dp_mesh: DeviceMesh,
     mp_policy: MixedPrecisionPolicy,
+    fp32_policy: MixedPrecisionPolicy | None,
     reshard_after_forward: bool | str,
     forward_prefetch: int = 0,
     backward_prefetch: int = 0,
@@ -254,6 +278,11 @@ def apply_fsdp(
     moe_meshes: tuple[DeviceMesh | None, DeviceMesh | None] = (None, None),
 ) -> None:
     """FSDP2: shard each transformer block, then the root (embeddings, final norm, output).
+
+    With `fp32_policy` (mixed precision: mixed_precision_policies) the fp32_units are units of their
+    own with that policy, and the rest takes `mp_policy`. The embeddings are resharded after forward
+    like a block (FSDP gathers them again for backward, which needs only their gradient): kept, their
+    fp32 table would hold 2 GiB more on Llama 3 8B.
 
     `moe_meshes` (parallel_dims.moe_fsdp_meshes): a mixture-of-experts layer's own unit and its
     experts' under EP, sharded first over their meshes when those are not the block's. The gradients
@@ -279,10 +308,16 @@ def apply_fsdp(
                 # Reduce-scatter a sum, then divide (gloo has no pre-multiplied sum). Not over one
                 # rank, where torch 2.13 would then divide twice.
                 module.set_force_sum_reduction_for_comms(mesh.size(mesh.ndim - 1) > 1)
+        for unit in fp32_units(block) if fp32_policy else []:
+            fully_shard(unit, mesh=dp_mesh, mp_policy=fp32_policy, reshard_after_forward=reshard)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+    reshard = True if reshard_after_forward == "all_but_last" else reshard_after_forward
+    for unit in fp32_units(model) if fp32_policy else []:
+        fully_shard(unit, mesh=dp_mesh, mp_policy=fp32_policy, reshard_after_forward=reshard)
     root_reshard = None if reshard_after_forward == "all_but_last" else reshard_after_forward
     root_reshard = False if keep_root_after_forward else root_reshard
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=root_reshard)
+    root_policy = fp32_policy if fp32_policy and model.model_args.tie_word_embeddings else mp_policy
+    fully_shard(model, mesh=dp_mesh, mp_policy=root_policy, reshard_after_forward=root_reshard)
     if forward_prefetch:
         model.set_modules_to_forward_prefetch(blocks[:forward_prefetch])
         for i, block in enumerate(blocks):
@@ -293,12 +328,34 @@ def apply_fsdp(
             block.set_modules_to_backward_prefetch(blocks[max(0, i - backward_prefetch) : i][::-1])
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> None:
+def apply_ddp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy,
+    fp32_policy: MixedPrecisionPolicy | None,
+) -> None:
     """Plain data parallelism (replicas only), on FSDP2's machinery: per-block gradient all-reduce
-    buckets, and the same mixed precision and accumulation controls as FSDP."""
+    buckets, and the same mixed precision (units) and accumulation controls as FSDP."""
     for block in model.layers.values():
+        for unit in fp32_units(block) if fp32_policy else []:
+            replicate(unit, mesh=dp_mesh, mp_policy=fp32_policy)
         replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
-    replicate(model, mesh=dp_mesh, mp_policy=mp_policy)
+    for unit in fp32_units(model) if fp32_policy else []:
+        replicate(unit, mesh=dp_mesh, mp_policy=fp32_policy)
+    root_policy = fp32_policy if fp32_policy and model.model_args.tie_word_embeddings else mp_policy
+    replicate(model, mesh=dp_mesh, mp_policy=root_policy)
+
+
+def fp32_units(module: nn.Module) -> list[nn.Module]:
+    """The modules of `module`, outside its `layers` (a model's blocks are units of their own), whose
+    weights mixed precision keeps in fp32: the norms, and the embeddings unless they are tied to the
+    output layer (the root then keeps the table in fp32)."""
+    children = [child for name, child in module.named_children() if name != "layers"]
+    units = [m for child in children for m in child.modules() if isinstance(m, RMSNorm)]
+    embeddings = getattr(module, "tok_embeddings", None)
+    if embeddings is not None and not module.model_args.tie_word_embeddings:
+        units.append(embeddings)
+    return units
 
 
 def set_grad_all_reduce(model: nn.Module, enabled: bool) -> None:
