@@ -10,8 +10,9 @@ import torch
 
 from torchtitan.checkpoint import CheckpointManager, TrainState
 from torchtitan.config_manager import JobConfig, resolve_path
-from torchtitan.config_rules import check_layout, gradient_accumulation_steps, mixture_sources
-from torchtitan.datasets.hf_datasets import build_hf_data_loader
+from torchtitan.config_rules import check_layout, gradient_accumulation_steps
+from torchtitan.datasets.build import build_training_data_loader
+from torchtitan.datasets.layout import BatchLayout
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.distributed import clip_grad_norm_, global_mean_loss, init_distributed, set_collective_timeout
 from torchtitan.errors import EXIT_OK, bad_input
@@ -59,26 +60,9 @@ def main(job_config: JobConfig) -> int:
         tokenizer = build_tokenizer(resolve_path(job_config.model.tokenizer_path))
     spec = model_spec(job_config.model)
     model_args = build_model_args(job_config, tokenizer.n_words)
-    mixture = mixture_sources(training)
-    data_option = "mixture" if mixture else "dataset_path" if training.dataset_path else "dataset"
-    with bad_input(f"training.{data_option}"):
-        data_loader = build_hf_data_loader(
-            training.dataset,
-            training.dataset_path,
-            tokenizer,
-            batch_size=training.batch_size,
-            seq_len=training.seq_len,
-            dp_world_size=dp_degree,
-            dp_rank=dp_rank,
-            grad_accum_steps=grad_accum_steps,
-            seed=training.seed,
-            shuffle=training.shuffle_windows,
-            vocab_size=model_args.vocab_size,
-            mixture=mixture,
-            num_workers=training.data_workers,
-            prefetch=training.data_prefetch,
-            pin_memory=device.type == "cuda",
-        )
+    layout = BatchLayout(training.batch_size, dp_degree, dp_rank, grad_accum_steps)
+    pin_memory = device.type == "cuda"
+    data_loader = build_training_data_loader(training, tokenizer, layout, model_args.vocab_size, pin_memory)
 
     with torch.device("meta"):
         model = spec.build(model_args)

@@ -20,8 +20,8 @@ import datasets  # noqa: E402
 
 from torchtitan.config_manager import ConfigError, resolve_path  # noqa: E402
 from torchtitan.config_parser import parse_args  # noqa: E402
-from torchtitan.datasets.hf_datasets import load_text_dataset  # noqa: E402
 from torchtitan.datasets.pretokenized import pretokenize  # noqa: E402
+from torchtitan.datasets.sources import load_text_dataset  # noqa: E402
 from torchtitan.datasets.tokenizer import build_tokenizer  # noqa: E402
 from torchtitan.errors import EXIT_OK, bad_input, run_with_exit_codes  # noqa: E402
 

@@ -14,8 +14,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from torchtitan.datasets.hf_datasets import HuggingFaceDataset, build_hf_data_loader, load_text_dataset  # noqa: E402
+from torchtitan.datasets.build import build_data_loader as build_hf_data_loader  # noqa: E402
 from torchtitan.datasets.loader import DataLoader  # noqa: E402
+from torchtitan.datasets.sources import load_text_dataset  # noqa: E402
+from torchtitan.datasets.text import TextDataset as HuggingFaceDataset  # noqa: E402
 from torchtitan.datasets.tokenizer import Tokenizer  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from launch import TINY_JOB, losses, read_records, run_train_in_process  # noqa: E402
 from test_data import global_batches  # noqa: E402
 
-from torchtitan.datasets.hf_datasets import build_hf_data_loader  # noqa: E402
+from torchtitan.datasets.build import build_data_loader as build_hf_data_loader  # noqa: E402
 from torchtitan.datasets.pretokenized import WindowOrder  # noqa: E402
 from torchtitan.datasets.tokenizer import Tokenizer  # noqa: E402
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from torchtitan.config_manager import ConfigError, JobConfig
-from torchtitan.datasets.hf_datasets import build_hf_data_loader
+from torchtitan.datasets.build import build_data_loader
 from torchtitan.datasets.tokenizer import AnyTokenizer
 from torchtitan.distributed import global_mean_loss
 from torchtitan.errors import bad_input
@@ -54,7 +54,7 @@ class Validator:
         self.tokens_per_batch = batch_size * dp_degree * job_config.training.seq_len
         option = "validation.dataset_path" if validation.dataset_path else "validation.dataset"
         with bad_input(option):
-            self.loader = build_hf_data_loader(
+            self.loader = build_data_loader(
                 validation.dataset,
                 validation.dataset_path,
                 tokenizer,
