@@ -10,7 +10,7 @@ import torch
 
 from torchtitan.checkpoint import CheckpointManager, TrainState
 from torchtitan.config_manager import JobConfig, resolve_path
-from torchtitan.config_rules import check_layout, gradient_accumulation_steps
+from torchtitan.config_rules import check_layout
 from torchtitan.datasets.build import build_training_data_loader
 from torchtitan.datasets.layout import BatchLayout
 from torchtitan.datasets.tokenizer import build_tokenizer
@@ -53,17 +53,12 @@ def main(job_config: JobConfig) -> int:
     meshes = parallel_dims.build_meshes(device.type)
     set_collective_timeout(job_config.comm.init_timeout_seconds)  # the mesh's groups too
     dp_degree, dp_rank = meshes.dp_degree_and_rank
-    grad_accum_steps = gradient_accumulation_steps(training, parallel_dims)
     set_determinism(training.seed, training.deterministic)
 
     with bad_input("model.tokenizer_path"):
         tokenizer = build_tokenizer(resolve_path(job_config.model.tokenizer_path))
     spec = model_spec(job_config.model)
     model_args = build_model_args(job_config, tokenizer.n_words)
-    layout = BatchLayout(training.batch_size, dp_degree, dp_rank, grad_accum_steps)
-    pin_memory = device.type == "cuda"
-    data_loader = build_training_data_loader(training, tokenizer, layout, model_args.vocab_size, pin_memory)
-
     with torch.device("meta"):
         model = spec.build(model_args)
     logger.info(f"Model {job_config.model.name} {job_config.model.flavor}: {model.num_params():,} parameters")
@@ -77,6 +72,16 @@ def main(job_config: JobConfig) -> int:
         part.init_weights(seed=training.seed)
         part.train()
 
+    # Mixture-of-experts models: the auxiliary loss and the routing biases (torchtitan/load_balance.py).
+    load_balance = None
+    if spec.moe:
+        load_balance = LoadBalance(model_parts, job_config.moe, meshes.dp, meshes.pp, meshes.tp)
+    train_step = TrainStep(model_parts, pipeline, parallel_dims, training, device, load_balance, meshes.cp)
+    # This rank's rows of each global batch, in the step's micro-batches (gradient accumulation).
+    layout = BatchLayout(training.batch_size, dp_degree, dp_rank, train_step.grad_accum_steps)
+    pin_memory = device.type == "cuda"
+    data_loader = build_training_data_loader(training, tokenizer, layout, model_args.vocab_size, pin_memory)
+
     optimizer = build_optimizer(model_parts, job_config.optimizer)
     lr_scheduler = build_lr_scheduler(optimizer, job_config.lr_scheduler, training.steps)
     train_state = TrainState()
@@ -85,13 +90,8 @@ def main(job_config: JobConfig) -> int:
     if resumed_step is not None:
         logger.info(f"Resumed from step {resumed_step}")
 
-    # Mixture-of-experts models: the auxiliary loss and the routing biases (torchtitan/load_balance.py).
-    load_balance = None
-    if spec.moe:
-        load_balance = LoadBalance(model_parts, job_config.moe, meshes.dp, meshes.pp, meshes.tp)
-    train_step = TrainStep(model_parts, pipeline, parallel_dims, training, device, load_balance, meshes.cp)
     # Per device, for tokens/s and MFU: pipeline, context- and tensor-parallel ranks share each token's work.
-    tokens_per_rank = grad_accum_steps * training.batch_size * training.seq_len
+    tokens_per_rank = layout.grad_accum_steps * training.batch_size * training.seq_len
     metric_logger = MetricLogger(
         job_config,
         spec.flops_per_token(model_args, num_flop_params, training.seq_len),
@@ -110,7 +110,7 @@ def main(job_config: JobConfig) -> int:
     nonfinite = NonFiniteGuard(training.skip_nonfinite_steps)
     logger.info(
         f"Training steps {train_state.step + 1} to {training.steps} (global batch "
-        f"{grad_accum_steps} x {training.batch_size * dp_degree} x {training.seq_len} tokens)"
+        f"{layout.grad_accum_steps} x {training.batch_size * dp_degree} x {training.seq_len} tokens)"
     )
 
     gc.disable()
