@@ -29,7 +29,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
-from torchtitan.datasets.layout import BatchLayout, StepCursor, warn_relooped
+from torchtitan.datasets.layout import Batch, BatchLayout, StepCursor, warn_relooped
 from torchtitan.datasets.pretokenized import TokenWindows, WindowOrder, splitmix64
 from torchtitan.datasets.streams import TextStreams
 
@@ -129,7 +129,7 @@ class MixtureDataset(IterableDataset, Stateful):
     def _weights(self) -> list[float]:
         return [s.weight for s in self.sources]
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Batch]:
         while True:
             choices = row_choices(self.seed, self.step, self.global_batch, self._weights())
             # A row's place among this step's rows of the same source: pre-tokenized sources count rows.
