@@ -179,6 +179,8 @@ class TextStreams:
         rows: list[int],
     ):
         self.name = name
+        self.num_streams = num_streams
+        self._tokenizer = tokenizer
         if isinstance(ds, datasets.Dataset):
             self.documents: MapDocuments | StreamingDocuments = MapDocuments(name, ds, num_streams)
         else:
@@ -192,6 +194,17 @@ class TextStreams:
         if epoch > self._warned_epoch:
             self._warned_epoch = epoch
             warn_relooped(f"{self.what} {self.name!r}", epoch)
+
+    def tokens_per_stream(self) -> list[int]:
+        """The tokens of each of the `num_streams` streams' documents in one epoch, this rank's or not:
+        what every rank needs to know where a finite pass ends (one more tokenization of the epoch)."""
+        tokens, num_docs = [0] * self.num_streams, 0
+        for i, text in enumerate(self.documents.all_texts()):
+            tokens[i % self.num_streams] += len(self._tokenizer.encode(text, bos=True, eos=True))
+            num_docs = i + 1
+        if num_docs < self.num_streams:
+            raise too_small(self.name, num_docs, self.num_streams)
+        return tokens
 
     def next_window(self, row: int) -> torch.Tensor:
         return self.streams[row].next_window()

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
 from torchtitan.datasets.layout import Batch, BatchLayout, worker_share
-from torchtitan.datasets.streams import TextStreams, TextTokenizer, too_small
+from torchtitan.datasets.streams import TextStreams, TextTokenizer
 from torchtitan.logging import logger
 
 
@@ -57,24 +57,16 @@ class TextDataset(IterableDataset, Stateful):
         self.dataset_name = dataset_name
         self.seq_len = seq_len
         self.infinite = infinite
-        self.num_streams = layout.global_batch
         # This rank's streams, one list per micro-batch of an optimizer step.
         self._groups = layout.micro_batch_rows()
-        self._text = TextStreams(dataset_name, ds, tokenizer, seq_len + 1, self.num_streams, layout.rows())
-        self._tokenizer = tokenizer
+        self._text = TextStreams(dataset_name, ds, tokenizer, seq_len + 1, layout.global_batch, layout.rows())
         self._num_steps: int | None = None  # of a finite pass, counted on first use
 
     def _finite_steps(self) -> int:
         """Whole global batches in one pass: as many as the shortest stream has windows. Every rank counts
         all streams (one extra tokenization of the pass) so that all stop after the same batch."""
         if self._num_steps is None:
-            tokens, num_docs = [0] * self.num_streams, 0
-            for i, text in enumerate(self._text.documents.all_texts()):
-                tokens[i % self.num_streams] += len(self._tokenizer.encode(text, bos=True, eos=True))
-                num_docs = i + 1
-            if num_docs < self.num_streams:
-                raise too_small(self.dataset_name, num_docs, self.num_streams)
-            self._num_steps = min(tokens) // (self.seq_len + 1)
+            self._num_steps = min(self._text.tokens_per_stream()) // (self.seq_len + 1)
             if self._num_steps == 0:
                 logger.warning(
                     f"Dataset {self.dataset_name!r} has a stream shorter than one window ({self.seq_len + 1} "
