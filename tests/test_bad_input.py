@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import pickle
+import runpy
 import shutil
 import subprocess
 import sys
@@ -585,6 +586,17 @@ CASES = [
         "tok_embeddings.weight with shape",
     ),
     Case(
+        "checkpoint of another model of the same shapes",
+        trained_run("--model.name", "llama2"),
+        "/checkpoint/step-1 holds a llama3 debugmodel model, not this job's llama2 debugmodel; set "
+        "--model.name llama3 --model.flavor debugmodel, or load a checkpoint of this model",
+    ),
+    Case(
+        "checkpoint of another tokenizer",
+        trained_run("--model.tokenizer_path", str(ROOT / "assets" / "tokenizer" / "kjv_bpe_hf")),
+        "was trained with another tokenizer than",
+    ),
+    Case(
         "checkpoint of another global batch size",
         trained_run("--training.batch_size", "4"),
         "data streams depend on the global batch size; keep the saved global batch size, or start the data "
@@ -663,6 +675,21 @@ def test_bad_input_is_one_line_and_changes_nothing(case, trained, tmp_path, caps
     assert "Traceback" not in err
     assert [folder_hashes(folder) for folder in watched] == before
     assert not (tmp_path / "pwned").exists(), "code from a checkpoint was run"
+
+
+@pytest.mark.parametrize("script", ["evaluate", "generate"])
+def test_scripts_refuse_a_checkpoint_of_another_model(script, trained, capsys):
+    """llama2's and llama3's debug models have the same shapes: only the checkpoint's record tells
+    them apart (evaluate.py gave another loss, silently)."""
+    main = runpy.run_path(str(ROOT / "scripts" / f"{script}.py"))["main"]
+    code = main([*TINY_JOB, *CKPT, "--job.dump_folder", str(trained), "--model.name", "llama2"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 2
+    assert errors == [
+        f"error: model.name: {trained}/checkpoint/step-1 holds a llama3 debugmodel model, not this job's "
+        "llama2 debugmodel; set --model.name llama3 --model.flavor debugmodel, or load a checkpoint of "
+        "this model"
+    ]
 
 
 def test_plain_dcp_would_run_code_from_a_checkpoint(tmp_path):
