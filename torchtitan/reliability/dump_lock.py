@@ -30,6 +30,7 @@ from torchtitan.logging import logger
 LOCK_NAME = ".titan.lock"
 HEARTBEAT_SECONDS = 30
 STALE_SECONDS = 300  # a holder on another host whose heartbeat is older than this is taken for dead
+DYING_SECONDS = 1.0  # how long a live holder is watched before a launch is refused
 
 
 @dataclass
@@ -125,12 +126,17 @@ def _alive(path: str, holder: Holder | None, heartbeat: float) -> bool:
 
 
 def check_unlocked(dump_folder: str) -> None:
-    """Raise ConfigError if a live job holds `dump_folder`."""
+    """Raise ConfigError if a live job holds `dump_folder`. A holder killed a moment ago (a relaunch
+    right after `kill -9` of the whole job) may still be exiting: it is given DYING_SECONDS to go."""
     path = os.path.join(dump_folder, LOCK_NAME)
-    if not os.path.exists(path):
-        return
-    holder, heartbeat = _read(path)
-    if _alive(path, holder, heartbeat):
+    deadline = time.monotonic() + DYING_SECONDS
+    while os.path.exists(path):
+        holder, heartbeat = _read(path)
+        if not _alive(path, holder, heartbeat):
+            return
+        if time.monotonic() < deadline:
+            time.sleep(0.05)
+            continue
         who = holder.describe() if holder is not None else "a job starting right now"
         raise ConfigError(
             f"job.dump_folder: {dump_folder} is in use by another job ({who}); wait for it to end, stop "
