@@ -260,8 +260,9 @@ def check_model_record(path: str, model_config: ModelConfig) -> None:
     saved = {key.removeprefix(RECORD + "."): v for key, v in read_checkpoint(path, RECORD + ".").items()}
     ours = model_record(model_config)
     if (saved["name"], saved["flavor"]) != (ours["name"], ours["flavor"]):
+        option = "model.name" if saved["name"] != ours["name"] else "model.flavor"
         raise ConfigError(
-            f"model.name: {path} holds a {saved['name']} {saved['flavor']} model, not this job's "
+            f"{option}: {path} holds a {saved['name']} {saved['flavor']} model, not this job's "
             f"{ours['name']} {ours['flavor']}; set --model.name {saved['name']} --model.flavor "
             f"{saved['flavor']}, or load a checkpoint of this model"
         )
