@@ -77,14 +77,15 @@ def _pid_exists(pid: int) -> bool:
     return True
 
 
-def _holder_runs_here(holder: Holder) -> bool:
-    """Whether the holder's process still runs on this host: not gone, not a zombie (dead, not reaped:
-    forever where PID 1 never reaps), not another process that was given its pid (another start time)."""
-    stat = proc_stat(holder.pid)
+def pid_runs(pid: int, started: int | None = None) -> bool:
+    """Whether process `pid` still runs on this host: not gone, not a zombie (dead, not reaped: forever
+    where PID 1 never reaps), and, given its start time (proc_stat's), not another process that was
+    given its pid. Also used for scripts/pretokenize.py's temporary folders of killed runs."""
+    stat = proc_stat(pid)
     if stat is None:  # gone, or hidden (no /proc, or mounted hidepid): as far as kill(pid, 0) tells
-        return _pid_exists(holder.pid)
-    state, started = stat
-    return state not in ("Z", "X") and holder.pid_started in (None, started)
+        return _pid_exists(pid)
+    state, start = stat
+    return state not in ("Z", "X") and started in (None, start)
 
 
 def _flock_free(path: str) -> bool | None:
@@ -121,7 +122,7 @@ def _alive(path: str, holder: Holder | None, heartbeat: float) -> bool:
         return time.time() - heartbeat < HEARTBEAT_SECONDS
     if holder.host == socket.gethostname():
         free = _flock_free(path) if holder.flock else None
-        return _holder_runs_here(holder) if free is None else not free
+        return pid_runs(holder.pid, holder.pid_started) if free is None else not free
     return time.time() - heartbeat < STALE_SECONDS
 
 
