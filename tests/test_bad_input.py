@@ -768,3 +768,27 @@ def test_launch_script_worker_error_is_one_line(tmp_path):
         "[rank0]:error: model.vocab_size: 10 is smaller than the tokenizer's 2256 tokens; "
         "use -1 or a larger value"
     ]
+
+
+def test_launch_script_refused_validation_set_leaves_the_dump_folder_as_it_was(tmp_path):
+    """Validation data smaller than one batch is refused before anything is written: a fresh dump folder
+    is not made (the lock's folder is removed again), an existing one keeps its listing (no empty
+    metrics.jsonl)."""
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text('{"text": "In the beginning"}\n' * 8)
+    small = ["--validation.enable", "true", "--validation.dataset_path", str(held_out)]
+    message = "[rank0]:error: validation.dataset_path: "
+    dump = tmp_path / "dump"
+    for before in [None, ["notes.txt"]]:
+        if before is not None:
+            dump.mkdir()
+            (dump / "notes.txt").write_text("kept\n")
+        result = run_script(tmp_path, *small)
+        out = result.stdout + result.stderr
+        assert result.returncode == 2, out
+        errors = [line for line in out.splitlines() if "error:" in line]
+        assert len(errors) == 1 and errors[0].startswith(message), out
+        if before is None:
+            assert not dump.exists()
+        else:
+            assert sorted(p.name for p in dump.iterdir()) == before
