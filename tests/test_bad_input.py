@@ -657,9 +657,11 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_one_line_and_changes_nothing(case, trained, tmp_path, capsys, monkeypatch):
+    """Refused before step 1, in one line; the dump folder is as it was: no file is added (`dump` holds no
+    metrics.jsonl that opening could hide in) and none is changed (`trained` holds a run's)."""
     dump = tmp_path / "dump"
     dump.mkdir()
-    (dump / "metrics.jsonl").write_text('{"step": 1, "loss": 8.0}\n')
+    (dump / "notes.txt").write_text("kept\n")
     extra = case.argv(tmp_path, dump, trained)
     for key, value in (case.env or {}).items():
         monkeypatch.setenv(key, value)
