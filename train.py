@@ -90,6 +90,12 @@ def main(job_config: JobConfig) -> int:
     if resumed_step is not None:
         logger.info(f"Resumed from step {resumed_step}")
 
+    validator = None
+    if job_config.validation.enable:
+        validator = Validator(job_config, train_step, tokenizer, meshes)
+
+    # The job's input is checked above; the dump folder is first written below (metrics.jsonl, W&B), so a
+    # refused job leaves it as it was.
     # Per device, for tokens/s and MFU: pipeline, context- and tensor-parallel ranks share each token's work.
     tokens_per_rank = layout.grad_accum_steps * training.batch_size * training.seq_len
     metric_logger = MetricLogger(
@@ -100,9 +106,6 @@ def main(job_config: JobConfig) -> int:
         device=device,
         is_logging_rank=rank == 0,
     )
-    validator = None
-    if job_config.validation.enable:
-        validator = Validator(job_config, train_step, tokenizer, meshes)
     params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
     # Float8 FSDP all-gathers: the next step's weight scales, in one all-reduce after each update.
     precompute_scales = float8_scales_are_precomputed(job_config, parallel_dims)

@@ -265,7 +265,8 @@ def _write_shard(index: int, texts: list[str]) -> dict[str, Any]:
     docs = [np.array(encode(text, bos=True, eos=True), dtype=dtype) for text in texts]
     offsets = np.cumsum([0] + [len(d) for d in docs], dtype=np.int64)
     tokens_name, offsets_name = shard_names(index)
-    np.concatenate(docs or [np.empty(0, dtype)]).tofile(_worker["folder"] / tokens_name)
+    # Written through Python's file rather than ndarray.tofile, whose failure drops the errno (a full disk)
+    (_worker["folder"] / tokens_name).write_bytes(np.concatenate(docs or [np.empty(0, dtype)]).tobytes())
     np.save(_worker["folder"] / offsets_name, offsets)
     return {
         "tokens": tokens_name,
