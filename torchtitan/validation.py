@@ -7,6 +7,7 @@ is the mean of the per-batch means over the batches and the data- and context-pa
 as it was: the model's mode is restored, no random numbers are drawn, the training data loader is
 not touched, and the metric logger leaves the time out of the training throughput."""
 
+import functools
 import itertools
 import math
 import time
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from torchtitan.config_manager import ConfigError, JobConfig
 from torchtitan.datasets.build import build_data_loader
 from torchtitan.datasets.tokenizer import AnyTokenizer
-from torchtitan.distributed import global_mean_loss
+from torchtitan.distributed import dist_min, global_mean_loss
 from torchtitan.errors import bad_input
 from torchtitan.models import vocab_size
 from torchtitan.parallelisms.parallel_dims import Meshes
@@ -65,6 +66,8 @@ class Validator:
                 infinite=False,
                 split="validation",
                 vocab_size=vocab_size(job_config.model, tokenizer.n_words),
+                # Where a pass ends is counted once, each rank tokenizing its own streams only.
+                min_over_ranks=functools.partial(dist_min, mesh=meshes.dp),
             )
             self.start = self.loader.state_dict()
             if next(iter(self.loader), None) is None:

@@ -1,6 +1,8 @@
 """The data loader of a job: text (text.py), pre-tokenized (pretokenized.py) or a mixture (mixture.py),
 picked from where the data is; every kind lays its rows out as layout.py says."""
 
+from collections.abc import Callable
+
 from torchtitan.config_manager import TrainingConfig
 from torchtitan.config_rules import mixture_sources
 from torchtitan.datasets.layout import BatchLayout
@@ -50,6 +52,7 @@ def build_data_loader(
     num_workers: int = 0,
     prefetch: int = 2,
     pin_memory: bool = False,
+    min_over_ranks: Callable[[int], int] | None = None,
 ) -> DataLoader:
     """One data-parallel rank's loader of ``(input_ids, labels)`` batches, both ``(batch_size, seq_len)``.
 
@@ -67,6 +70,10 @@ def build_data_loader(
 
     `num_workers` processes make the batches, `prefetch` each ahead, in pinned memory with `pin_memory`
     (loader.py); the loader's state is the same with or without them.
+
+    `min_over_ranks` (the least of a number over the data-parallel ranks: an all-reduce) lets a finite pass
+    of text data be counted from this rank's own streams (text.py); without it every rank tokenizes every
+    stream once to count.
     """
     layout = BatchLayout(batch_size, dp_world_size, dp_rank, grad_accum_steps)
     if mixture:
@@ -102,6 +109,7 @@ def build_data_loader(
             dp_rank,
             grad_accum_steps,
             infinite,
+            min_over_ranks,
         )
     return DataLoader(dataset, batch_size, num_workers, prefetch, pin_memory)
 

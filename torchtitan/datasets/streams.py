@@ -44,9 +44,11 @@ class MapDocuments:
         i = stream + self.num_streams * n
         return self.ds[i]["text"] if i < len(self.ds) else None
 
-    def all_texts(self) -> Iterator[str]:
+    def epoch_texts(self, streams: set[int]) -> Iterator[tuple[int, str]]:
+        """(stream, document) for every document of `streams` in an epoch; the others are not read."""
         for i in range(len(self.ds)):
-            yield self.ds[i]["text"]
+            if i % self.num_streams in streams:
+                yield i % self.num_streams, self.ds[i]["text"]
 
 
 class StreamingDocuments:
@@ -102,10 +104,16 @@ class StreamingDocuments:
         assert got_epoch == epoch and got_n in (n, -1), (stream, epoch, n, got_epoch, got_n)
         return text
 
-    def all_texts(self) -> Iterator[str]:
+    def epoch_texts(self, streams: set[int]) -> Iterator[tuple[int, str]]:
+        """(stream, document) for every document of `streams` in an epoch; the others are read, skipped."""
         self.ds.set_epoch(0)
-        for example in self.ds:
-            yield example["text"]
+        num_docs = 0
+        for i, example in enumerate(self.ds):
+            if i % self.num_streams in streams:
+                yield i % self.num_streams, example["text"]
+            num_docs = i + 1
+        if num_docs < self.num_streams:
+            raise too_small(self.name, num_docs, self.num_streams)
 
 
 class PackedStream:
@@ -195,15 +203,12 @@ class TextStreams:
             self._warned_epoch = epoch
             warn_relooped(f"{self.what} {self.name!r}", epoch)
 
-    def tokens_per_stream(self) -> list[int]:
-        """The tokens of each of the `num_streams` streams' documents in one epoch, this rank's or not:
-        what every rank needs to know where a finite pass ends (one more tokenization of the epoch)."""
-        tokens, num_docs = [0] * self.num_streams, 0
-        for i, text in enumerate(self.documents.all_texts()):
-            tokens[i % self.num_streams] += len(self._tokenizer.encode(text, bos=True, eos=True))
-            num_docs = i + 1
-        if num_docs < self.num_streams:
-            raise too_small(self.name, num_docs, self.num_streams)
+    def tokens_per_stream(self, rows: list[int]) -> dict[int, int]:
+        """The tokens of the documents of streams `rows` (this rank's or not) in one epoch, tokenizing those
+        documents only: where a finite pass ends."""
+        tokens = dict.fromkeys(rows, 0)
+        for stream, text in self.documents.epoch_texts(set(rows)):
+            tokens[stream] += len(self._tokenizer.encode(text, bos=True, eos=True))
         return tokens
 
     def next_window(self, row: int) -> torch.Tensor:

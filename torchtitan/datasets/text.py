@@ -12,7 +12,7 @@ by stream: a rank saves and loads only its own streams, so a run resumes on any 
 batch size. A different global batch size deals the documents differently and cannot resume the data.
 """
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import datasets
@@ -45,6 +45,7 @@ class TextDataset(IterableDataset, Stateful):
         dp_rank: int = 0,
         grad_accum_steps: int = 1,
         infinite: bool = True,
+        min_over_ranks: Callable[[int], int] | None = None,
     ):
         if min(seq_len, batch_size, grad_accum_steps) < 1:
             raise ValueError(
@@ -56,29 +57,32 @@ class TextDataset(IterableDataset, Stateful):
         layout = BatchLayout(batch_size, dp_world_size, dp_rank, grad_accum_steps)
         self.dataset_name = dataset_name
         self.seq_len = seq_len
-        self.infinite = infinite
         # This rank's streams, one list per micro-batch of an optimizer step.
         self._groups = layout.micro_batch_rows()
         self._text = TextStreams(dataset_name, ds, tokenizer, seq_len + 1, layout.global_batch, layout.rows())
-        self._num_steps: int | None = None  # of a finite pass, counted on first use
+        self._finite_steps = None if infinite else self._count_finite_steps(layout, min_over_ranks)
 
-    def _finite_steps(self) -> int:
-        """Whole global batches in one pass: as many as the shortest stream has windows. Every rank counts
-        all streams (one extra tokenization of the pass) so that all stop after the same batch."""
-        if self._num_steps is None:
-            self._num_steps = min(self._text.tokens_per_stream()) // (self.seq_len + 1)
-            if self._num_steps == 0:
-                logger.warning(
-                    f"Dataset {self.dataset_name!r} has a stream shorter than one window ({self.seq_len + 1} "
-                    "tokens): no batches produced"
-                )
-        return self._num_steps
+    def _count_finite_steps(self, layout: BatchLayout, min_over_ranks: Callable[[int], int] | None) -> int:
+        """Whole global batches in one pass: as many as the shortest stream has windows, the same on every
+        rank so that all stop after the same batch. Counted once, here: with `min_over_ranks` (the least of
+        a number over the data-parallel ranks, an all-reduce) a rank tokenizes only its own streams'
+        documents to count; without it, every stream's (one more tokenization of the whole pass)."""
+        rows = layout.rows() if min_over_ranks else list(range(layout.global_batch))
+        steps = min(self._text.tokens_per_stream(rows).values()) // (self.seq_len + 1)
+        if min_over_ranks is not None:
+            steps = min_over_ranks(steps)
+        if steps == 0:
+            logger.warning(
+                f"Dataset {self.dataset_name!r} has a stream shorter than one window ({self.seq_len + 1} "
+                "tokens): no batches produced"
+            )
+        return steps
 
     def __iter__(self) -> Iterator[Batch]:
         while True:
             # The step being filled; after a state taken mid-step, its first micro-batches are done.
             step = min(stream.windows for stream in self._text.streams.values())
-            if not self.infinite and step >= self._finite_steps():
+            if self._finite_steps is not None and step >= self._finite_steps:
                 # The incomplete last global batch is dropped; the next pass starts from the beginning.
                 self.load_state_dict(self._fresh_state())
                 return
