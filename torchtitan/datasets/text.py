@@ -67,7 +67,7 @@ class TextDataset(IterableDataset, Stateful):
         rank so that all stop after the same batch. Counted once, here: with `min_over_ranks` (the least of
         a number over the data-parallel ranks, an all-reduce) a rank tokenizes only its own streams'
         documents to count; without it, every stream's (one more tokenization of the whole pass)."""
-        rows = layout.rows() if min_over_ranks else list(range(layout.global_batch))
+        rows = layout.rows() if min_over_ranks is not None else list(range(layout.global_batch))
         steps = min(self._text.tokens_per_stream(rows).values()) // (self.seq_len + 1)
         if min_over_ranks is not None:
             steps = min_over_ranks(steps)
