@@ -10,8 +10,9 @@ import torch
 
 from torchtitan.checkpoint import CheckpointManager, TrainState
 from torchtitan.config_manager import JobConfig, resolve_path
-from torchtitan.config_rules import check_layout, gradient_accumulation_steps, mixture_sources
-from torchtitan.datasets.hf_datasets import build_hf_data_loader
+from torchtitan.config_rules import check_layout
+from torchtitan.datasets.build import build_training_data_loader
+from torchtitan.datasets.layout import BatchLayout
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.distributed import clip_grad_norm_, global_mean_loss, init_distributed, set_collective_timeout
 from torchtitan.errors import EXIT_OK, bad_input
@@ -52,34 +53,12 @@ def main(job_config: JobConfig) -> int:
     meshes = parallel_dims.build_meshes(device.type)
     set_collective_timeout(job_config.comm.init_timeout_seconds)  # the mesh's groups too
     dp_degree, dp_rank = meshes.dp_degree_and_rank
-    grad_accum_steps = gradient_accumulation_steps(training, parallel_dims)
     set_determinism(training.seed, training.deterministic)
 
     with bad_input("model.tokenizer_path"):
         tokenizer = build_tokenizer(resolve_path(job_config.model.tokenizer_path))
     spec = model_spec(job_config.model)
     model_args = build_model_args(job_config, tokenizer.n_words)
-    mixture = mixture_sources(training)
-    data_option = "mixture" if mixture else "dataset_path" if training.dataset_path else "dataset"
-    with bad_input(f"training.{data_option}"):
-        data_loader = build_hf_data_loader(
-            training.dataset,
-            training.dataset_path,
-            tokenizer,
-            batch_size=training.batch_size,
-            seq_len=training.seq_len,
-            dp_world_size=dp_degree,
-            dp_rank=dp_rank,
-            grad_accum_steps=grad_accum_steps,
-            seed=training.seed,
-            shuffle=training.shuffle_windows,
-            vocab_size=model_args.vocab_size,
-            mixture=mixture,
-            num_workers=training.data_workers,
-            prefetch=training.data_prefetch,
-            pin_memory=device.type == "cuda",
-        )
-
     with torch.device("meta"):
         model = spec.build(model_args)
     logger.info(f"Model {job_config.model.name} {job_config.model.flavor}: {model.num_params():,} parameters")
@@ -93,6 +72,16 @@ def main(job_config: JobConfig) -> int:
         part.init_weights(seed=training.seed)
         part.train()
 
+    # Mixture-of-experts models: the auxiliary loss and the routing biases (torchtitan/load_balance.py).
+    load_balance = None
+    if spec.moe:
+        load_balance = LoadBalance(model_parts, job_config.moe, meshes.dp, meshes.pp, meshes.tp)
+    train_step = TrainStep(model_parts, pipeline, parallel_dims, training, device, load_balance, meshes.cp)
+    # This rank's rows of each global batch, in the step's micro-batches (gradient accumulation).
+    layout = BatchLayout(training.batch_size, dp_degree, dp_rank, train_step.grad_accum_steps)
+    pin_memory = device.type == "cuda"
+    data_loader = build_training_data_loader(training, tokenizer, layout, model_args.vocab_size, pin_memory)
+
     optimizer = build_optimizer(model_parts, job_config.optimizer)
     lr_scheduler = build_lr_scheduler(optimizer, job_config.lr_scheduler, training.steps)
     train_state = TrainState()
@@ -101,13 +90,14 @@ def main(job_config: JobConfig) -> int:
     if resumed_step is not None:
         logger.info(f"Resumed from step {resumed_step}")
 
-    # Mixture-of-experts models: the auxiliary loss and the routing biases (torchtitan/load_balance.py).
-    load_balance = None
-    if spec.moe:
-        load_balance = LoadBalance(model_parts, job_config.moe, meshes.dp, meshes.pp, meshes.tp)
-    train_step = TrainStep(model_parts, pipeline, parallel_dims, training, device, load_balance, meshes.cp)
+    validator = None
+    if job_config.validation.enable:
+        validator = Validator(job_config, train_step, tokenizer, meshes)
+
+    # The job's input is checked above; the dump folder is first written below (metrics.jsonl, W&B), so a
+    # refused job leaves it as it was.
     # Per device, for tokens/s and MFU: pipeline, context- and tensor-parallel ranks share each token's work.
-    tokens_per_rank = grad_accum_steps * training.batch_size * training.seq_len
+    tokens_per_rank = layout.grad_accum_steps * training.batch_size * training.seq_len
     metric_logger = MetricLogger(
         job_config,
         spec.flops_per_token(model_args, num_flop_params, training.seq_len),
@@ -116,9 +106,6 @@ def main(job_config: JobConfig) -> int:
         device=device,
         is_logging_rank=rank == 0,
     )
-    validator = None
-    if job_config.validation.enable:
-        validator = Validator(job_config, train_step, tokenizer, meshes)
     params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
     # Float8 FSDP all-gathers: the next step's weight scales, in one all-reduce after each update.
     precompute_scales = float8_scales_are_precomputed(job_config, parallel_dims)
@@ -126,7 +113,7 @@ def main(job_config: JobConfig) -> int:
     nonfinite = NonFiniteGuard(training.skip_nonfinite_steps)
     logger.info(
         f"Training steps {train_state.step + 1} to {training.steps} (global batch "
-        f"{grad_accum_steps} x {training.batch_size * dp_degree} x {training.seq_len} tokens)"
+        f"{layout.grad_accum_steps} x {training.batch_size * dp_degree} x {training.seq_len} tokens)"
     )
 
     gc.disable()

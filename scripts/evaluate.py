@@ -19,7 +19,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from torchtitan.checkpoint import load_model_weights  # noqa: E402
+from torchtitan.checkpoint import check_model_record, load_model_weights  # noqa: E402
 from torchtitan.checkpoint_folder import latest_checkpoint_path  # noqa: E402
 from torchtitan.config_manager import JobConfig, resolve_path  # noqa: E402
 from torchtitan.config_rules import check_layout  # noqa: E402
@@ -38,6 +38,7 @@ def evaluate(job_config: JobConfig) -> int:
     parallel_dims = check_layout(job_config, world_size, device.type)
     meshes = parallel_dims.build_meshes(device.type)
     path = latest_checkpoint_path(job_config)
+    check_model_record(path, job_config.model)
     with bad_input("model.tokenizer_path"):
         tokenizer = build_tokenizer(resolve_path(job_config.model.tokenizer_path))
     with torch.device("meta"):

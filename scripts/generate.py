@@ -20,6 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from torchtitan.checkpoint import check_model_record  # noqa: E402
 from torchtitan.checkpoint_folder import latest_checkpoint_path  # noqa: E402
 from torchtitan.config_manager import ConfigError, JobConfig, resolve_path  # noqa: E402
 from torchtitan.config_parser import parse_args  # noqa: E402
@@ -55,6 +56,8 @@ def load_model(job_config: JobConfig, tokenizer: AnyTokenizer, device: torch.dev
     training.seq_len), with the checkpoint's weights."""
     model_args = build_model_args(job_config, tokenizer.n_words)
     path = latest_checkpoint_path(job_config)
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    check_model_record(path, job_config.model)
     with torch.device(device):
         model = model_spec(job_config.model).build(model_args)  # random weights, then replaced
     state = {"model": model.state_dict()}
@@ -66,7 +69,6 @@ def load_model(job_config: JobConfig, tokenizer: AnyTokenizer, device: torch.dev
                 f"checkpoint: {path} does not hold {key} of shape {tuple(tensor.shape)}; was it saved with "
                 "another model.flavor or model.tokenizer_path?"
             )
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     # In place, converting an export's dtype; the safe reader runs no code from the checkpoint's files.
     dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
     print(f"Loaded {job_config.model.name} {job_config.model.flavor} from {path}", file=sys.stderr)

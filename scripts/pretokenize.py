@@ -7,12 +7,19 @@ Reads the dataset as train.py would (`training.dataset` / `training.dataset_path
 accepts) and encodes it with `model.tokenizer_path`, every document framed by BOS (if the tokenizer has
 one) and EOS. Then train with `--training.dataset_path DIR` (or `--validation.dataset_path DIR` for a
 `--split validation` output).
-DIR must not exist; it appears only once complete. Exit codes and one-line errors are train.py's.
+DIR must not exist; it appears only once complete (it is written as DIR.tmp-PID, removed on any failure;
+one a killed run left is removed by the next run on DIR). Exit codes and one-line errors are train.py's: a
+full disk is exit 2 naming DIR and the OS error.
 """
 
 import argparse
+import contextlib
+import errno
+import glob
 import os
+import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -20,10 +27,13 @@ import datasets  # noqa: E402
 
 from torchtitan.config_manager import ConfigError, resolve_path  # noqa: E402
 from torchtitan.config_parser import parse_args  # noqa: E402
-from torchtitan.datasets.hf_datasets import load_text_dataset  # noqa: E402
 from torchtitan.datasets.pretokenized import pretokenize  # noqa: E402
+from torchtitan.datasets.sources import load_text_dataset  # noqa: E402
 from torchtitan.datasets.tokenizer import build_tokenizer  # noqa: E402
 from torchtitan.errors import EXIT_OK, bad_input, run_with_exit_codes  # noqa: E402
+from torchtitan.reliability.dump_lock import pid_runs  # noqa: E402
+
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)  # only ever a write's
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,6 +47,33 @@ def positive(value: str) -> int:
     return int(value)
 
 
+def remove_stale_temporaries(output: Path) -> None:
+    """Remove the `{output}.tmp-PID` folders that killed runs left: their pid is gone, a zombie, or this
+    process (a container's pids repeat across runs). A pid given to another live process keeps its
+    folder until that process ends; a live run's folder is never touched."""
+    for tmp in output.parent.glob(f"{glob.escape(output.name)}.tmp-*"):
+        pid = tmp.name.rpartition(".tmp-")[2]
+        if pid.isdigit() and (int(pid) == os.getpid() or not pid_runs(int(pid))):
+            shutil.rmtree(tmp, ignore_errors=True)
+            print(f"Removed {tmp}, left by a pretokenize.py run that died (pid {pid})")
+
+
+@contextlib.contextmanager
+def output_write_reported(output: Path) -> Iterator[None]:
+    """A failed write (a full disk, a quota, a file-size limit, a read-only folder, or any OS error on
+    the temporary folder) is one line naming the output and the OS error, not the dataset option."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in WRITE_ERRNOS and not str(e.filename or "").startswith(f"{output}.tmp-"):
+            raise
+        code = errno.errorcode.get(e.errno or 0, "")
+        raise ConfigError(
+            f"--output: cannot write {output}: {e.strerror or e} ({code}); its temporary folder is removed: "
+            "free space there or choose another --output"
+        ) from e
+
+
 def main(argv: list[str]) -> int:
     parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", required=True, help="the folder to create")
@@ -48,6 +85,7 @@ def main(argv: list[str]) -> int:
     output = Path(own.output)
     if output.exists():
         raise ConfigError(f"--output: {output} exists; pretokenize.py only creates a new folder")
+    remove_stale_temporaries(output)
 
     training = job_config.training
     tokenizer_path = resolve_path(job_config.model.tokenizer_path)
@@ -55,17 +93,18 @@ def main(argv: list[str]) -> int:
         tokenizer = build_tokenizer(tokenizer_path)
     option = "training.dataset_path" if training.dataset_path else "training.dataset"
     with bad_input(option):
-        ds = load_text_dataset(training.dataset, training.dataset_path, own.split)
+        ds = load_text_dataset(training.dataset, training.dataset_path, own.split)  # its cache is no --output
         source = {"dataset": training.dataset, "dataset_path": training.dataset_path, "split": own.split}
-        manifest = pretokenize(
-            (batch["text"] for batch in ds.iter(batch_size=own.docs_per_shard)),
-            tokenizer_path,
-            tokenizer.n_words,
-            output,
-            own.workers,
-            source,
-            total_documents=len(ds) if isinstance(ds, datasets.Dataset) else None,
-        )
+        with output_write_reported(output):
+            manifest = pretokenize(
+                (batch["text"] for batch in ds.iter(batch_size=own.docs_per_shard)),
+                tokenizer_path,
+                tokenizer.n_words,
+                output,
+                own.workers,
+                source,
+                total_documents=len(ds) if isinstance(ds, datasets.Dataset) else None,
+            )
     print(
         f"{output}: {manifest['num_tokens']:,} tokens ({manifest['dtype']}) of {manifest['num_documents']:,} "
         f"documents in {len(manifest['shards'])} shards"

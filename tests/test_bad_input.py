@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import pickle
+import runpy
 import shutil
 import subprocess
 import sys
@@ -585,6 +586,17 @@ CASES = [
         "tok_embeddings.weight with shape",
     ),
     Case(
+        "checkpoint of another model of the same shapes",
+        trained_run("--model.name", "llama2"),
+        "/checkpoint/step-1 holds a llama3 debugmodel model, not this job's llama2 debugmodel; set "
+        "--model.name llama3 --model.flavor debugmodel, or load a checkpoint of this model",
+    ),
+    Case(
+        "checkpoint of another tokenizer",
+        trained_run("--model.tokenizer_path", str(ROOT / "assets" / "tokenizer" / "kjv_bpe_hf")),
+        "was trained with another tokenizer than",
+    ),
+    Case(
         "checkpoint of another global batch size",
         trained_run("--training.batch_size", "4"),
         "data streams depend on the global batch size; keep the saved global batch size, or start the data "
@@ -645,9 +657,11 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_is_one_line_and_changes_nothing(case, trained, tmp_path, capsys, monkeypatch):
+    """Refused before step 1, in one line; the dump folder is as it was: no file is added (`dump` holds no
+    metrics.jsonl that opening could hide in) and none is changed (`trained` holds a run's)."""
     dump = tmp_path / "dump"
     dump.mkdir()
-    (dump / "metrics.jsonl").write_text('{"step": 1, "loss": 8.0}\n')
+    (dump / "notes.txt").write_text("kept\n")
     extra = case.argv(tmp_path, dump, trained)
     for key, value in (case.env or {}).items():
         monkeypatch.setenv(key, value)
@@ -663,6 +677,21 @@ def test_bad_input_is_one_line_and_changes_nothing(case, trained, tmp_path, caps
     assert "Traceback" not in err
     assert [folder_hashes(folder) for folder in watched] == before
     assert not (tmp_path / "pwned").exists(), "code from a checkpoint was run"
+
+
+@pytest.mark.parametrize("script", ["evaluate", "generate"])
+def test_scripts_refuse_a_checkpoint_of_another_model(script, trained, capsys):
+    """llama2's and llama3's debug models have the same shapes: only the checkpoint's record tells
+    them apart (evaluate.py gave another loss, silently)."""
+    main = runpy.run_path(str(ROOT / "scripts" / f"{script}.py"))["main"]
+    code = main([*TINY_JOB, *CKPT, "--job.dump_folder", str(trained), "--model.name", "llama2"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == 2
+    assert errors == [
+        f"error: model.name: {trained}/checkpoint/step-1 holds a llama3 debugmodel model, not this job's "
+        "llama2 debugmodel; set --model.name llama3 --model.flavor debugmodel, or load a checkpoint of "
+        "this model"
+    ]
 
 
 def test_plain_dcp_would_run_code_from_a_checkpoint(tmp_path):
@@ -741,3 +770,27 @@ def test_launch_script_worker_error_is_one_line(tmp_path):
         "[rank0]:error: model.vocab_size: 10 is smaller than the tokenizer's 2256 tokens; "
         "use -1 or a larger value"
     ]
+
+
+def test_launch_script_refused_validation_set_leaves_the_dump_folder_as_it_was(tmp_path):
+    """Validation data smaller than one batch is refused before anything is written: a fresh dump folder
+    is not made (the lock's folder is removed again), an existing one keeps its listing (no empty
+    metrics.jsonl)."""
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text('{"text": "In the beginning"}\n' * 8)
+    small = ["--validation.enable", "true", "--validation.dataset_path", str(held_out)]
+    message = "[rank0]:error: validation.dataset_path: "
+    dump = tmp_path / "dump"
+    for before in [None, ["notes.txt"]]:
+        if before is not None:
+            dump.mkdir()
+            (dump / "notes.txt").write_text("kept\n")
+        result = run_script(tmp_path, *small)
+        out = result.stdout + result.stderr
+        assert result.returncode == 2, out
+        errors = [line for line in out.splitlines() if "error:" in line]
+        assert len(errors) == 1 and errors[0].startswith(message), out
+        if before is None:
+            assert not dump.exists()
+        else:
+            assert sorted(p.name for p in dump.iterdir()) == before

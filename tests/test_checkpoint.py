@@ -4,12 +4,13 @@ loading, initial weights, export dtype, shape checks and RNG state."""
 import os
 import shutil
 import warnings
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
-from torchtitan.checkpoint import CheckpointManager, TrainState, saved_entries
+from torchtitan.checkpoint import CheckpointManager, TrainState, check_model_record, saved_entries
 from torchtitan.config_manager import CheckpointConfig, ConfigError, JobConfig
 from torchtitan.models.llama import ModelArgs
 from torchtitan.models.llama.model import Transformer
@@ -198,8 +199,9 @@ def test_model_weights_only_export_at_last_step(tmp_path, dtype):
     run = Run(tmp_path, interval=2, model_weights_only=True, export_dtype=dtype)
     run.train(3, last=3)
     saved = saved_entries(str(tmp_path / "checkpoint" / "step-3"))
-    assert {key.split(".")[0] for key in saved} == {"model"}
-    assert {entry.properties.dtype for entry in saved.values()} == {getattr(torch, dtype)}
+    assert {key.split(".")[0] for key in saved} == {"model", "model_record"}  # the weights and what they are
+    weights = [entry for key, entry in saved.items() if key.startswith("model.")]
+    assert {entry.properties.dtype for entry in weights} == {getattr(torch, dtype)}
     assert "train_state.step" in saved_entries(str(tmp_path / "checkpoint" / "step-2"))
 
     resumed = Run(tmp_path)
@@ -211,6 +213,26 @@ def test_model_weights_only_export_at_last_step(tmp_path, dtype):
     served.checkpoint.load()
     for key, value in run.weights().items():
         assert torch.equal(served.weights()[key], value.to(getattr(torch, dtype)).float()), key
+
+
+def test_checkpoint_of_another_flavor_is_refused(tmp_path):
+    """llama3's 8B and 3.1_8B have the same shapes (3.1_8B scales RoPE): the record tells them apart."""
+    Run(tmp_path, interval=1).train(1)
+    model = replace(JobConfig().model, flavor="3.1_8B")
+    with pytest.raises(
+        ConfigError, match="^model.flavor: .*step-1 holds a llama3 debugmodel model, not this"
+    ):
+        check_model_record(str(tmp_path / "checkpoint" / "step-1"), model)
+
+
+def test_checkpoint_without_a_model_record_loads(tmp_path):
+    """Saved by an earlier version or converted from Hugging Face: the model it holds is unknown, and
+    loaded (its shapes are still checked)."""
+    run = Run(tmp_path)
+    dcp.save({"model": run.weights()}, checkpoint_id=str(tmp_path / "old"), no_dist=True)
+    served = Run(tmp_path / "serve", seed=1, initial_load_path=str(tmp_path / "old"))
+    served.checkpoint.load()
+    assert_same(served.weights(), run.weights())
 
 
 @pytest.mark.parametrize(

@@ -183,10 +183,20 @@ def test_dcp_to_torch_save_loads_with_weights_only(tmp_path):
     output = tmp_path / "step-1.pt"
     convert_dcp_to_torch.main([str(tmp_path / "checkpoint" / "step-1"), str(output)])
     state = torch.load(output, weights_only=True)
-    assert set(state) == {"model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng"}
+    assert set(state) == {
+        "model",
+        "optimizer",
+        "lr_scheduler",
+        "dataloader",
+        "train_state",
+        "rng",
+        "model_record",
+    }
+    assert state["model_record"]["name"] == "llama3"
     assert torch.equal(state["model"]["output.weight"], run.model.output.weight)
     assert state["train_state"]["step"] == 1 and state["dataloader"] == {"value": 2}
     # The same as torch's own converter (which unpickles without restrictions).
     dcp_to_torch_save(tmp_path / "checkpoint" / "step-1", tmp_path / "reference.pt")
     reference = torch.load(tmp_path / "reference.pt", weights_only=True)
+    assert state.pop("model_record") == reference.pop("model_record")  # strings: not for assert_close
     torch.testing.assert_close(state, reference, rtol=0, atol=0)

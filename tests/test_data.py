@@ -14,8 +14,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from torchtitan.datasets.hf_datasets import HuggingFaceDataset, build_hf_data_loader, load_text_dataset  # noqa: E402
+from torchtitan.datasets.build import build_data_loader as build_hf_data_loader  # noqa: E402
 from torchtitan.datasets.loader import DataLoader  # noqa: E402
+from torchtitan.datasets.sources import load_text_dataset  # noqa: E402
+from torchtitan.datasets.text import TextDataset as HuggingFaceDataset  # noqa: E402
 from torchtitan.datasets.tokenizer import Tokenizer  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -50,13 +52,17 @@ def docs_loaders(tok, layout: tuple[int, ...], docs_file: Path, streaming: bool,
     out = []
     for rank in range(world):
         # One source per rank, as in separate processes: a streaming HF dataset has its own reader.
-        if streaming:
-            ds = datasets.load_dataset("json", data_files=str(docs_file), split="train", streaming=True)
-        else:
-            ds = load_text_dataset("docs", str(docs_file))
-        dataset = HuggingFaceDataset("docs", ds, tok, SEQ_LEN, batch, world, rank, accum, **kwargs)
+        dataset = HuggingFaceDataset(
+            "docs", docs_source(docs_file, streaming), tok, SEQ_LEN, batch, world, rank, accum, **kwargs
+        )
         out.append(DataLoader(dataset, batch))
     return out
+
+
+def docs_source(docs_file: Path, streaming: bool) -> datasets.Dataset | datasets.IterableDataset:
+    if streaming:
+        return datasets.load_dataset("json", data_files=str(docs_file), split="train", streaming=True)
+    return load_text_dataset("docs", str(docs_file))
 
 
 def global_batches(rank_loaders, steps: int, accum: int = 1) -> list[torch.Tensor]:
@@ -325,6 +331,38 @@ def test_finite_stops_and_restarts(tok, docs_file, streaming):
             assert [len(b) for b in batches] == [shortest] * layout[0], layout
         assert all_equal(global_batches(rank_loaders, shortest), reference), layout
         assert all(all_equal(a, b) for a, b in zip(*passes)), layout
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["map", "streaming"])
+def test_finite_pass_counted_from_a_ranks_own_streams(tok, docs_file, streaming):
+    """Given the least over the ranks (the validator's all-reduce), rank 1 of 4 counts where a finite pass
+    ends from its own stream: it tokenizes only its own documents, in the count and in every pass, and
+    reads the batches of a rank that counted every stream."""
+    window, own_docs = SEQ_LEN + 1, DOCS[1::4]
+    shortest = min(len(token_stream(tok, DOCS[j::4])) for j in range(4)) // window
+    reported: list[int] = []
+
+    def min_over_ranks(steps: int) -> int:
+        reported.append(steps)
+        return shortest
+
+    encoded: list[str] = []
+
+    class CountingTokenizer:
+        def encode(self, s: str, bos: bool, eos: bool) -> list[int]:
+            encoded.append(s)
+            return tok.encode(s, bos=bos, eos=eos)
+
+    source = docs_source(docs_file, streaming)
+    dataset = HuggingFaceDataset(
+        "docs", source, CountingTokenizer(), SEQ_LEN, 1, 4, 1, infinite=False, min_over_ranks=min_over_ranks
+    )
+    passes = [[x for x, _ in DataLoader(dataset, 1)] for _ in range(2)]
+    assert reported == [len(token_stream(tok, own_docs)) // window]
+    assert set(encoded) <= set(own_docs)
+    reference = docs_loaders(tok, (4, 1), docs_file, streaming, infinite=False)[1]
+    assert all(all_equal(p, [x for x, _ in reference]) for p in passes)
+    assert len(passes[0]) == shortest
 
 
 @pytest.mark.parametrize("infinite", [True, False], ids=["infinite", "finite"])

@@ -1,5 +1,5 @@
 """One job per dump folder: a second launch is refused in seconds while the first trains on; a lock
-left by a dead job is taken over."""
+left by a dead job (gone, a zombie, its pid given to another process, its flock dropped) is taken over."""
 
 import json
 import os
@@ -8,12 +8,19 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 
 import pytest
 from launch import ROOT, TINY_JOB, read_metrics, run_train_in_process
 
 from torchtitan.config_manager import ConfigError
-from torchtitan.reliability.dump_lock import LOCK_NAME, STALE_SECONDS, DumpFolderLock, check_unlocked
+from torchtitan.reliability.dump_lock import (
+    LOCK_NAME,
+    STALE_SECONDS,
+    DumpFolderLock,
+    check_unlocked,
+    proc_stat,
+)
 
 
 def dead_pid() -> int:
@@ -22,10 +29,11 @@ def dead_pid() -> int:
     return process.pid
 
 
-def write_lock(folder, host: str, pid: int, age: float = 0.0) -> None:
+def write_lock(folder, host: str, pid: int, age: float = 0.0, **fields) -> None:
+    """A lock file naming `pid` (with `fields`: pid_started, flock) whose heartbeat is `age` s old."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME
-    path.write_text(json.dumps({"host": host, "pid": pid, "since": time.time() - age}))
+    path.write_text(json.dumps({"host": host, "pid": pid, "since": time.time() - age, **fields}))
     os.utime(path, (time.time() - age, time.time() - age))
 
 
@@ -55,6 +63,41 @@ def test_stale_lock_is_taken_over(tmp_path, host, age, taken_over):
         return
     with DumpFolderLock(str(tmp_path)) as lock:
         assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid() == lock.holder.pid
+
+
+def test_zombie_holder_is_dead(tmp_path):
+    """A holder that died but was not reaped (forever in a container whose PID 1 never reaps)."""
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while proc_stat(zombie.pid)[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        write_lock(tmp_path, socket.gethostname(), zombie.pid)
+        with DumpFolderLock(str(tmp_path)):
+            assert lock_holder_pid(tmp_path / LOCK_NAME) == os.getpid()
+    finally:
+        zombie.wait()
+
+
+@pytest.mark.parametrize(
+    "start_offset, flock, taken_over",
+    [
+        (-1, False, True),  # the holder's pid now names another process: it started at another time
+        (0, True, True),  # the holder took a flock that nobody holds now: it died, whatever the pid says
+        (0, False, False),  # a live holder on a file system without flock: its pid and start time match
+    ],
+)
+def test_live_pid_is_judged_by_start_time_and_flock(tmp_path, start_offset, flock, taken_over):
+    started = proc_stat(os.getpid())[1] + start_offset
+    write_lock(tmp_path, socket.gethostname(), os.getpid(), pid_started=started, flock=flock)
+    if not taken_over:
+        with pytest.raises(ConfigError, match=rf"pid {os.getpid()}, since"):
+            DumpFolderLock(str(tmp_path))
+        return
+    with DumpFolderLock(str(tmp_path)) as lock:
+        assert json.loads((tmp_path / LOCK_NAME).read_text()) == asdict(lock.holder)
+        assert lock.holder.flock  # the temporary folder's file system supports flock
 
 
 def lock_holder_pid(path) -> int | None:

@@ -15,7 +15,7 @@ from test_convert import random_model
 
 from scripts import convert_dcp_to_hf, convert_hf_to_dcp
 from torchtitan.config_parser import parse_args
-from torchtitan.datasets.hf_datasets import build_hf_data_loader
+from torchtitan.datasets.build import build_data_loader as build_hf_data_loader
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.models import build_model_args
 

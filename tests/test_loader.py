@@ -19,8 +19,9 @@ import torch  # noqa: E402
 from launch import ROOT  # noqa: E402
 from test_data import all_equal, global_batches  # noqa: E402
 
-from torchtitan.datasets.hf_datasets import HuggingFaceDataset, build_hf_data_loader  # noqa: E402
+from torchtitan.datasets.build import build_data_loader as build_hf_data_loader  # noqa: E402
 from torchtitan.datasets.loader import DataLoader, _init_worker  # noqa: E402
+from torchtitan.datasets.text import TextDataset as HuggingFaceDataset  # noqa: E402
 
 SEQ_LEN = 16
 KINDS = ["text", "streaming", "pretokenized", "mixture"]
@@ -152,7 +153,7 @@ def test_a_loader_left_open_does_not_hold_up_the_exit():
     script = (
         "import sys; sys.path.insert(0, '.')\n"
         "from torchtitan.datasets.tokenizer import Tokenizer\n"
-        "from torchtitan.datasets.hf_datasets import build_hf_data_loader\n"
+        "from torchtitan.datasets.build import build_data_loader as build_hf_data_loader\n"
         "tok = Tokenizer('assets/tokenizer/kjv_bpe.tiktoken')\n"
         "batches = iter(build_hf_data_loader('kjv', None, tok, 2, 16, 1, 0, num_workers=2))\n"
         "next(batches)\n"

@@ -19,7 +19,8 @@ from test_data import all_equal, global_batches, reference_batches, token_stream
 
 from torchtitan.config_manager import ConfigError, TrainingConfig  # noqa: E402
 from torchtitan.config_rules import mixture_sources  # noqa: E402
-from torchtitan.datasets.hf_datasets import build_hf_data_loader  # noqa: E402
+from torchtitan.datasets.build import build_data_loader as build_hf_data_loader  # noqa: E402
+from torchtitan.datasets.layout import micro_batch_rows  # noqa: E402
 from torchtitan.datasets.loader import DataLoader  # noqa: E402
 from torchtitan.datasets.mixture import (  # noqa: E402
     MixtureDataset,
@@ -29,7 +30,6 @@ from torchtitan.datasets.mixture import (  # noqa: E402
     row_choices,
 )
 from torchtitan.datasets.pretokenized import TokenWindows, read_manifest  # noqa: E402
-from torchtitan.datasets.streams import micro_batch_rows  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN = 16

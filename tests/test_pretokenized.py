@@ -4,13 +4,17 @@ import copy
 import hashlib
 import json
 import os
+import resource
 import runpy
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import datasets  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -18,7 +22,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from launch import TINY_JOB, losses, read_records, run_train_in_process  # noqa: E402
 from test_data import global_batches  # noqa: E402
 
-from torchtitan.datasets.hf_datasets import build_hf_data_loader  # noqa: E402
+from torchtitan.datasets.build import build_data_loader as build_hf_data_loader  # noqa: E402
 from torchtitan.datasets.pretokenized import WindowOrder  # noqa: E402
 from torchtitan.datasets.tokenizer import Tokenizer  # noqa: E402
 
@@ -164,6 +168,39 @@ def test_interrupted_run_leaves_nothing_and_existing_output_is_refused(folder, t
         f"error: --output: {folder} exists; pretokenize.py only creates a new folder\n"
     )
     assert sorted(p.name for p in folder.iterdir()) == before
+
+
+def limit_file_size() -> None:
+    """A write past 256 bytes fails with EFBIG, as on a full disk (no root needed for a small file system;
+    CPython ignores SIGXFSZ, which would otherwise kill the process)."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (256, 256))
+
+
+def test_full_disk_names_the_output_and_stale_temporaries_are_removed(folder, tmp_path):
+    """The script, as a user runs it, under a file-size limit: one line naming --output and the OS error,
+    exit 2, nothing left behind. The temporary folder of a killed run (its pid is gone) is removed
+    first; a live run's (this process's) is kept. The dataset's cache is the `folder` fixture's, so the
+    first write past the limit is a shard's."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    output = tmp_path / "out"
+    stale, live = Path(f"{output}.tmp-{dead.pid}"), Path(f"{output}.tmp-{os.getpid()}")
+    for tmp in (stale, live):
+        tmp.mkdir()
+        (tmp / "shard_00000.bin").write_bytes(b"partial")
+    job = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), "--workers", "1"]
+    job += ["--training.dataset_path", str(folder.parent / "docs.jsonl"), "--output", str(output)]
+    env = dict(os.environ, HF_DATASETS_CACHE=datasets.config.HF_DATASETS_CACHE)
+    script = [sys.executable, str(ROOT / "scripts" / "pretokenize.py"), *job]
+    done = subprocess.run(script, capture_output=True, text=True, env=env, preexec_fn=limit_file_size)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        f"error: --output: cannot write {output}: File too large (EFBIG); its temporary folder is removed: "
+        "free space there or choose another --output"
+    )
+    assert f"Removed {stale}, left by a pretokenize.py run that died (pid {dead.pid})" in done.stdout
+    assert sorted(tmp_path.iterdir()) == [live]
 
 
 @pytest.mark.parametrize("shuffle", [False, True], ids=["in order", "shuffled"])

@@ -1,22 +1,28 @@
-"""Preemption, crashes, dead and hung ranks, non-finite steps: end to end on CPU with 2 processes.
+"""Preemption, crashes, a dead launcher, dead and hung ranks, non-finite steps: end to end on CPU with 2
+processes.
 
 The jobs come from scripts/chaos.py: 2 ranks started directly (the environment torchrun would give
-them), so that one rank can be signalled, stopped or killed alone."""
+them), so that one rank can be signalled, stopped or killed alone; or from run_llama_train.sh where the
+launcher matters."""
 
+import contextlib
+import ctypes
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from launch import ROOT, read_metrics, run_train_in_process
+from launch import ROOT, TINY_JOB, read_metrics, run_train_in_process
 from torch.distributed.checkpoint.utils import _wrap_exception
 
 from scripts import chaos
 from torchtitan.config_manager import CommConfig
-from torchtitan.errors import comm_failure_message
+from torchtitan.errors import EXIT_PREEMPTED, comm_failure_message
+from torchtitan.reliability.dump_lock import LOCK_NAME
 from torchtitan.reliability.guards import StopRequest
 from torchtitan.safe_dcp import read_checkpoint
 
@@ -87,6 +93,112 @@ def test_stop_signals_save_and_resume_exactly(reference, tmp_path):
     expected, logged = dict(chaos.losses(reference)), chaos.losses(tmp_path)
     assert sorted(step for step, _ in logged) == list(range(1, second_stop + 1))
     assert [loss for _, loss in logged] == [expected[step] for step, _ in logged]
+
+
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+def children(pid: int) -> list[int]:
+    pids = []
+    for path in (f"/proc/{pid}/task/{task}/children" for task in os.listdir(f"/proc/{pid}/task")):
+        with contextlib.suppress(FileNotFoundError), open(path) as f:
+            pids += [int(child) for child in f.read().split()]
+    return pids
+
+
+def descendants(pid: int) -> list[int]:
+    return [d for child in children(pid) for d in (child, *descendants(child))]
+
+
+@contextlib.contextmanager
+def subreaper() -> Iterator[None]:
+    """Orphans among this process's descendants become its children, not init's: a test can wait for
+    a dead launcher's workers (and read their exit codes), and they stay zombies until it does.
+    On leaving, every orphan is waited for (a trainer's data workers die with it)."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
+    try:
+        yield
+    finally:
+        prctl(PR_SET_CHILD_SUBREAPER, 0)
+        for pid in children(os.getpid()):
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+
+
+def exit_codes(pids: list[int], timeout: float) -> list[int | None]:
+    """The exit codes of this process's children `pids` (negative: killed by that signal); None for
+    one still running at `timeout`."""
+    codes: dict[int, int] = {}
+    deadline = time.monotonic() + timeout
+    while len(codes) < len(pids) and time.monotonic() < deadline:
+        for pid in set(pids) - set(codes):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                codes[pid] = os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    return [codes.get(pid) for pid in pids]
+
+
+def trained_steps(dump_folder) -> int:
+    """Steps rank 0 has logged so far (metrics.jsonl is flushed at each record)."""
+    with contextlib.suppress(FileNotFoundError):
+        return (dump_folder / "metrics.jsonl").read_text().count("\n")
+    return 0
+
+
+def test_dead_launcher_stops_workers_like_preemption(reference, tmp_path):
+    """SIGKILL of the launcher alone (the OOM killer, `kill -9 <torchrun pid>`): the workers, each in a
+    session of its own, do not train on as orphans: within two steps they save and exit 75, the dump
+    folder's lock is free, and the relaunch ends exactly like the reference."""
+    args = [*chaos.JOB, *NO_VALIDATION, "--job.dump_folder", str(tmp_path)]
+    env = {**os.environ, "NGPU": "2", "OMP_NUM_THREADS": "1"}
+    with subreaper(), open(tmp_path / "launcher.log", "w") as log:
+        launcher = subprocess.Popen(
+            [str(ROOT / "run_llama_train.sh"), *args], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+        )
+        wait_for(lambda: trained_steps(tmp_path) >= 1)
+        workers = children(launcher.pid)
+        launcher.kill()
+        killed_after = trained_steps(tmp_path)
+        assert launcher.wait(30) == -signal.SIGKILL
+        assert len(workers) == 2 and exit_codes(workers, 120) == [EXIT_PREEMPTED] * 2
+    stopped = trained_steps(tmp_path)
+    assert killed_after <= stopped <= killed_after + 2 and stopped < chaos.STEPS
+    assert chaos.complete_checkpoints(tmp_path) == [f"step-{stopped}"]
+    assert not (tmp_path / LOCK_NAME).exists()
+    chaos.run_to_end(2, tmp_path, *NO_VALIDATION)
+    chaos.compare(tmp_path, reference)
+
+
+def test_relaunch_right_after_the_whole_job_is_killed(tmp_path):
+    """SIGKILL of a job's whole process tree (the launcher and every worker), then a relaunch at once:
+    it is not refused, though the lock's holder is not reaped before it (its parent, this process,
+    reaps it only after: as in a container whose PID 1 never reaps)."""
+    job = [*TINY_JOB, "--job.dump_folder", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with subreaper():
+        launcher = subprocess.Popen(
+            [str(ROOT / "run_llama_train.sh"), *job, "--training.steps", "1000"],
+            env={**env, "NGPU": "2"},
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for(lambda: trained_steps(tmp_path) >= 1)
+        for pid in [launcher.pid, *descendants(launcher.pid)]:
+            os.kill(pid, signal.SIGKILL)
+        relaunch = subprocess.run(
+            [str(ROOT / "run_llama_train.sh"), *job, "--training.steps", "1"],
+            env={**env, "NGPU": "1"},
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        launcher.wait(30)
+    assert relaunch.returncode == 0, relaunch.stderr[-3000:]
+    assert "Took over" in relaunch.stdout + relaunch.stderr
 
 
 @pytest.mark.parametrize("fault", ["dead", "hung"])

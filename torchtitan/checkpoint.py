@@ -2,10 +2,12 @@
 
 A checkpoint is written to `step-N.tmp` and renamed to `step-N` once complete, so a folder named
 `step-N` is always whole and a crash mid-save never costs the previous checkpoint. Each holds a
-`checksums.json` (torchtitan/checkpoint_checksums.py), checked before the checkpoint is loaded."""
+`checksums.json` (torchtitan/checkpoint_checksums.py), checked before the checkpoint is loaded, and
+the model it holds (`model_record`), checked before train.py, evaluate.py or generate.py loads it."""
 
 import contextlib
 import errno
+import hashlib
 import os
 import shutil
 import threading
@@ -40,10 +42,11 @@ from torchtitan.checkpoint_folder import (
     is_complete,
     list_checkpoints,
 )
-from torchtitan.config_manager import ConfigError, JobConfig
+from torchtitan.config_manager import ConfigError, JobConfig, ModelConfig, resolve_path
 from torchtitan.errors import CheckpointWriteError, os_error_behind
 from torchtitan.logging import logger
 from torchtitan.parallelisms.parallelize_llama import DTYPES
+from torchtitan.paths import shown
 from torchtitan.safe_dcp import SafeLoadPlanner, SafeReader, read_checkpoint, saved_entries
 
 
@@ -233,6 +236,44 @@ def _check_model_shapes(model_state: Stateful, path: str, saved: dict[str, Any])
         raise ConfigError(f"checkpoint: {path} holds {extra[0][6:]}, which the model lacks; {hint}")
 
 
+RECORD = "model_record"  # the state-dict key of a checkpoint's model record
+
+
+def model_record(model_config: ModelConfig) -> dict[str, str]:
+    """What every checkpoint records of the model it holds: the weights of models of the same shapes
+    (llama2's and llama3's debug models, llama3's 8B and 3.1_8B) would load into one another silently,
+    and so would a model into a run with another tokenizer of the same vocabulary size."""
+    tokenizer = resolve_path(model_config.tokenizer_path)
+    if os.path.isdir(tokenizer):  # a Hugging Face tokenizer folder
+        tokenizer = os.path.join(tokenizer, "tokenizer.json")
+    with open(tokenizer, "rb") as f:  # a few MB at most
+        tokenizer_sha256 = hashlib.sha256(f.read()).hexdigest()
+    return {"name": model_config.name, "flavor": model_config.flavor, "tokenizer_sha256": tokenizer_sha256}
+
+
+def check_model_record(path: str, model_config: ModelConfig) -> None:
+    """Raise a one-line ConfigError if the checkpoint at `path` holds another model (name, flavour or
+    tokenizer) than `model_config`'s. What a checkpoint does not record (saved by an earlier version,
+    converted from Hugging Face) is unknown and passes."""
+    if not any(key.startswith(RECORD + ".") for key in saved_entries(path)):
+        return
+    saved = {key.removeprefix(RECORD + "."): v for key, v in read_checkpoint(path, RECORD + ".").items()}
+    ours = model_record(model_config)
+    if (saved["name"], saved["flavor"]) != (ours["name"], ours["flavor"]):
+        option = "model.name" if saved["name"] != ours["name"] else "model.flavor"
+        raise ConfigError(
+            f"{option}: {path} holds a {saved['name']} {saved['flavor']} model, not this job's "
+            f"{ours['name']} {ours['flavor']}; set --model.name {saved['name']} --model.flavor "
+            f"{saved['flavor']}, or load a checkpoint of this model"
+        )
+    if saved["tokenizer_sha256"] != ours["tokenizer_sha256"]:
+        raise ConfigError(
+            f"model.tokenizer_path: {path} was trained with another tokenizer than "
+            f"{shown(model_config.tokenizer_path)} (their SHA-256 differ); set model.tokenizer_path to the "
+            "checkpoint's tokenizer"
+        )
+
+
 def load_model_weights(model_parts: list[nn.Module], path: str, verify: bool = True) -> None:
     """The model weights of the checkpoint at `path` into this rank's parts, whatever the layout;
     `verify`: against its checksums first."""
@@ -269,6 +310,7 @@ class CheckpointManager:
         if isinstance(model, list):
             model = merge_model_parts(model)
         self.checkpoint_config = job_config.checkpoint
+        self.model_config = job_config.model
         self.enabled = self.checkpoint_config.enable_checkpoint
         self.folder = checkpoint_folder(job_config)
         self.states = {
@@ -279,6 +321,7 @@ class CheckpointManager:
             "train_state": train_state,
             "rng": RNGState(),
         }
+        self.record = model_record(job_config.model)
         self.is_coordinator = not dist.is_initialized() or dist.get_rank() == 0
         self._pending: tuple[int, Future] | None = None  # an async save not yet committed
         self._purger: threading.Thread | None = None
@@ -322,6 +365,8 @@ class CheckpointManager:
             step = self._step_to_load(list_checkpoints(self.folder))
         if step is not None:
             parts = [part for part in self.states if part not in self.checkpoint_config.exclude_from_loading]
+            if "model" in parts:
+                check_model_record(self._path(step), self.model_config)
             load_states(self.states, self._path(step), parts)
             return step
         if self.checkpoint_config.initial_load_path is not None:
@@ -331,6 +376,7 @@ class CheckpointManager:
                     self.checkpoint_config.initial_load_path,
                     "point checkpoint.initial_load_path at an intact checkpoint",
                 )
+            check_model_record(self.checkpoint_config.initial_load_path, self.model_config)
             load_states(self.states, self.checkpoint_config.initial_load_path, ["model"])
         return None
 
@@ -383,10 +429,11 @@ class CheckpointManager:
         holds the model weights only, in checkpoint.export_dtype."""
         self.wait()
         tmp = self._path(step) + ".tmp"
-        state: dict[str, Any] = self.states
+        state: dict[str, Any] = {**self.states, RECORD: self.record}
         if last_step and self.checkpoint_config.model_weights_only:
             dtype = DTYPES[self.checkpoint_config.export_dtype]
-            state = {"model": {k: v.to(dtype) for k, v in self.states["model"].state_dict().items()}}
+            model = {k: v.to(dtype) for k, v in self.states["model"].state_dict().items()}
+            state = {"model": model, RECORD: self.record}
         if self._stager is None or last_step:
             with self._write_errors_reported(step):
                 dcp.save(state, checkpoint_id=tmp, storage_writer=ChecksumWriter(tmp))

@@ -391,8 +391,13 @@ class JobConfig:
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def path_candidates(path: str) -> list[str]:
+    """Where a path option is looked for: as given (absolute, or from the current folder), then, when
+    relative, from the repository root (for the bundled assets)."""
+    return [path] if os.path.isabs(path) else [path, os.path.join(REPO_ROOT, path)]
+
+
 def resolve_path(path: str) -> str:
-    """`path` as given if it exists, else relative to the repository root (for the bundled assets)."""
-    if os.path.isabs(path) or os.path.exists(path):
-        return path
-    return os.path.join(REPO_ROOT, path)
+    """The first of `path_candidates` that exists, else the last."""
+    candidates = path_candidates(path)
+    return next((c for c in candidates if os.path.exists(c)), candidates[-1])

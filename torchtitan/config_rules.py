@@ -54,6 +54,13 @@ def gradient_accumulation_steps(training_config: TrainingConfig, parallel_dims: 
     return global_batch_size // per_pass
 
 
+def loss_skips_output(training_config: TrainingConfig) -> bool:
+    """With a chunked loss (training.loss_chunk_tokens) the model stops at its final norm (`skip_output`)
+    and the loss projects the hidden states by the output weight itself, a chunk at a time
+    (chunked_loss.py): FSDP then keeps the root's parameters, that weight among them, after the forward."""
+    return training_config.loss_chunk_tokens > 0
+
+
 def check_parallelism(job_config: JobConfig, parallel_dims: ParallelDims, model_args: ModelArgs) -> None:
     """Tensor parallelism must split the heads and the sequence; the AC option must parse."""
     tp = parallel_dims.tp

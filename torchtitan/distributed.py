@@ -69,6 +69,15 @@ def dist_sum(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return x
 
 
+def dist_min(x: int, mesh: DeviceMesh | None) -> int:
+    """The least of an integer over the ranks of `mesh` (`x` itself without one)."""
+    if mesh is None:
+        return x
+    least = torch.tensor(x, device=device_type())
+    dist.all_reduce(least, op=dist.ReduceOp.MIN, group=mesh.get_group())
+    return int(least.item())
+
+
 def global_mean_loss(loss: torch.Tensor, meshes: Meshes) -> float:
     """A rank's loss as the whole global batch's: summed over the pipeline (its last stage holds it, the
     others 0), averaged over the ranks whose tokens differ (dp x cp: each holds as many tokens)."""

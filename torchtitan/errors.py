@@ -9,8 +9,8 @@ a traceback; TITAN_DEBUG=1 (any value but 0) shows the traceback instead.
     4   a collective failed or timed out: another rank died or hung
     5   a checkpoint could not be written (a full disk, a file-size limit, an I/O or permission error):
         its temporary folder is removed, the earlier checkpoints are intact; launch again to resume
-    75  preempted by SIGTERM or SIGUSR1: stopped after a step and saved a checkpoint (if enabled);
-        launch the same job again to resume (75 is EX_TEMPFAIL, "try again later")
+    75  preempted by SIGTERM or SIGUSR1, or the launcher died: stopped after a step and saved a checkpoint
+        (if enabled); launch the same job again to resume (75 is EX_TEMPFAIL, "try again later")
 
 Importing this module does not import torch (the preflight and the launcher use it)."""
 

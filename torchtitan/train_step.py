@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.chunked_loss import chunked_cross_entropy
 from torchtitan.config_manager import JobConfig, TrainingConfig
-from torchtitan.config_rules import gradient_accumulation_steps
+from torchtitan.config_rules import gradient_accumulation_steps, loss_skips_output
 from torchtitan.load_balance import LoadBalance
 from torchtitan.parallelisms.context_parallel import shard_sequence
 from torchtitan.parallelisms.float8 import convert_to_float8
@@ -116,7 +116,7 @@ class TrainStep:
         compile_chunked = training_config.compile and not parallel_dims.tp_enabled
         self.chunked_loss = torch.compile(chunked_cross_entropy) if compile_chunked else chunked_cross_entropy
         # Pipeline stages stop at the final norm for the chunked loss (stage_loss_fn projects).
-        self.stage_kwargs = {"skip_output": True} if self.loss_chunk_tokens else {}
+        self.stage_kwargs = {"skip_output": True} if loss_skips_output(training_config) else {}
 
     def forward_backward(self, batches: Iterator[Batch], microbatches: int | None = None) -> torch.Tensor:
         """Run the step's micro-batches (`microbatches`, default the accumulation steps) from `batches`;

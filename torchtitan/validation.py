@@ -7,15 +7,16 @@ is the mean of the per-batch means over the batches and the data- and context-pa
 as it was: the model's mode is restored, no random numbers are drawn, the training data loader is
 not touched, and the metric logger leaves the time out of the training throughput."""
 
+import functools
 import itertools
 import math
 import time
 from dataclasses import dataclass
 
 from torchtitan.config_manager import ConfigError, JobConfig
-from torchtitan.datasets.hf_datasets import build_hf_data_loader
+from torchtitan.datasets.build import build_data_loader
 from torchtitan.datasets.tokenizer import AnyTokenizer
-from torchtitan.distributed import global_mean_loss
+from torchtitan.distributed import dist_min, global_mean_loss
 from torchtitan.errors import bad_input
 from torchtitan.models import vocab_size
 from torchtitan.parallelisms.parallel_dims import Meshes
@@ -54,7 +55,7 @@ class Validator:
         self.tokens_per_batch = batch_size * dp_degree * job_config.training.seq_len
         option = "validation.dataset_path" if validation.dataset_path else "validation.dataset"
         with bad_input(option):
-            self.loader = build_hf_data_loader(
+            self.loader = build_data_loader(
                 validation.dataset,
                 validation.dataset_path,
                 tokenizer,
@@ -65,6 +66,8 @@ class Validator:
                 infinite=False,
                 split="validation",
                 vocab_size=vocab_size(job_config.model, tokenizer.n_words),
+                # Where a pass ends is counted once, each rank tokenizing its own streams only.
+                min_over_ranks=functools.partial(dist_min, mesh=meshes.dp),
             )
             self.start = self.loader.state_dict()
             if next(iter(self.loader), None) is None:

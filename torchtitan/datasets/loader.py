@@ -25,9 +25,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import DataLoader as TorchDataLoader
 from torch.utils.data import IterableDataset, get_worker_info
 
+from torchtitan.datasets.layout import Batch
 from torchtitan.datasets.mixture import MixtureDataset
-
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 class ShardableDataset(Protocol):

@@ -18,26 +18,20 @@ rank), the four integers of each text stream of this rank, and a fingerprint of 
 weights may change between runs (the rows already taken stay taken); the sources may not.
 """
 
+import functools
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import datasets
 import numpy as np
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
+from torchtitan.datasets.layout import Batch, BatchLayout, StepCursor, warn_relooped
 from torchtitan.datasets.pretokenized import TokenWindows, WindowOrder, splitmix64
-from torchtitan.datasets.streams import (
-    MapDocuments,
-    PackedStream,
-    StreamingDocuments,
-    TextTokenizer,
-    micro_batch_rows,
-)
-from torchtitan.logging import logger
+from torchtitan.datasets.streams import TextStreams
 
 _MIXTURE_SALT = 0x6D69787475726521  # keeps the row choices apart from other uses of the seed
 
@@ -65,47 +59,15 @@ def fingerprint(names: list[str]) -> int:
     return zlib.crc32("\n".join(names).encode())
 
 
-class TextSource:
+class TextSource(TextStreams):
     """A text source of a mixture: S packed streams (document i to stream i % S), of which this rank keeps
     its own rows'."""
 
-    def __init__(
-        self,
-        name: str,
-        ds: datasets.Dataset | datasets.IterableDataset,
-        tokenizer: TextTokenizer,
-        window: int,
-        num_streams: int,
-        rows: list[int],
-    ):
-        self.name = name
-        if isinstance(ds, datasets.Dataset):
-            self._documents = MapDocuments(name, ds, num_streams)
-        else:
-            self._documents = StreamingDocuments(name, ds, num_streams, rows)
-        self._streams = {s: PackedStream(s, self._documents, tokenizer, window, self._on_epoch) for s in rows}
-        self._warned_epoch = 0
-
-    def _on_epoch(self, epoch: int) -> None:
-        if epoch > self._warned_epoch:
-            self._warned_epoch = epoch
-            logger.warning(f"Mixture source {self.name!r} is being re-looped: starting epoch {epoch}")
+    what = "Mixture source"
 
     def read(self, row: int, n: int) -> torch.Tensor:
         """Row `row`'s next window (its stream's); `n` is not needed."""
-        return self._streams[row].next_window()
-
-    def keep_rows(self, rows: set[int]) -> None:
-        self._streams = {s: stream for s, stream in self._streams.items() if s in rows}
-        self._documents.reset({s: (stream.epoch, stream.doc) for s, stream in self._streams.items()})
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {f"stream_{s}": stream.state() for s, stream in self._streams.items()}
-
-    def load(self, state: dict[str, torch.Tensor]) -> None:
-        for s, stream in self._streams.items():
-            stream.load(state[f"stream_{s}"])
-        self._documents.reset({s: (stream.epoch, stream.doc) for s, stream in self._streams.items()})
+        return self.next_window(row)
 
 
 class PretokenizedSource:
@@ -127,7 +89,7 @@ class PretokenizedSource:
         epoch, w = divmod(n, self._windows.num_windows)
         if epoch != self._epoch:
             if epoch > self._epoch:
-                logger.warning(f"Mixture source {self.name!r} is being re-looped: starting epoch {epoch}")
+                warn_relooped(f"Mixture source {self.name!r}", epoch)
             self._epoch, self._order = epoch, self._order_of(epoch)
         return torch.from_numpy(self._windows.read(self._order(w)).astype(np.int64))
 
@@ -154,20 +116,20 @@ class MixtureDataset(IterableDataset, Stateful):
         grad_accum_steps: int = 1,
         seed: int = 0,
     ):
-        """`sources`' text readers must hold the streams of this rank's rows (`micro_batch_rows`)."""
+        """`sources`' text readers must hold the streams of this rank's rows (`BatchLayout.rows`)."""
         self.sources = sources
         self.seq_len = seq_len
         self.seed = seed
-        self.global_batch = grad_accum_steps * batch_size * dp_world_size
-        self._micro_rows = micro_batch_rows(batch_size, dp_world_size, dp_rank, grad_accum_steps)
+        self._cursor = StepCursor(BatchLayout(batch_size, dp_world_size, dp_rank, grad_accum_steps))
+        self.global_batch = self._cursor.global_batch
         self._fingerprint = fingerprint([s.name for s in sources])
-        self.step, self.micro = 0, 0
+        self.step = 0
         self.rows = np.zeros(len(sources), dtype=np.int64)
 
     def _weights(self) -> list[float]:
         return [s.weight for s in self.sources]
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Batch]:
         while True:
             choices = row_choices(self.seed, self.step, self.global_batch, self._weights())
             # A row's place among this step's rows of the same source: pre-tokenized sources count rows.
@@ -175,20 +137,22 @@ class MixtureDataset(IterableDataset, Stateful):
             for i in range(len(self.sources)):
                 picked = choices == i
                 rank_in_source[picked] = np.arange(np.count_nonzero(picked))
-            for m in range(self.micro, len(self._micro_rows)):
-                batch = torch.stack(
-                    [self._read(row, choices[row], rank_in_source[row]) for row in self._micro_rows[m]]
-                )
-                self.micro = m + 1
-                if self.micro == len(self._micro_rows):  # the state taken after a step counts it
-                    self.rows += np.bincount(choices, minlength=len(self.sources))
-                    self.step, self.micro = self.step + 1, 0
-                yield batch[:, :-1], batch[:, 1:]
+            yield from self._cursor.rest_of_step(
+                functools.partial(self._micro_batch, choices, rank_in_source),
+                functools.partial(self._step_done, choices),
+            )
+
+    def _micro_batch(self, choices: np.ndarray, rank_in_source: np.ndarray, rows: list[int]) -> torch.Tensor:
+        return torch.stack([self._read(row, choices[row], rank_in_source[row]) for row in rows])
+
+    def _step_done(self, choices: np.ndarray) -> None:
+        self.rows += np.bincount(choices, minlength=len(self.sources))
+        self.step += 1
 
     def keep_share(self, worker: int, num_workers: int) -> None:
         """Keep rows ``worker, worker + num_workers, ...`` of each micro-batch (data loading workers)."""
-        self._micro_rows = [rows[worker::num_workers] for rows in self._micro_rows]
-        kept = {row for rows in self._micro_rows for row in rows}
+        self._cursor.keep_share(worker, num_workers)
+        kept = {row for rows in self._cursor.micro_rows for row in rows}
         for source in self.sources:
             if isinstance(source.reader, TextSource):
                 source.reader.keep_rows(kept)
@@ -200,21 +164,18 @@ class MixtureDataset(IterableDataset, Stateful):
         """Tokens taken from each source up to `state` (rows x seq_len), over all ranks."""
         return {s.name: int(state[f"source_{i}"]["rows"]) * self.seq_len for i, s in enumerate(self.sources)}
 
-    def _key(self) -> str:
-        return f"global_batch_{self.global_batch}"
-
     def state_dict(self) -> dict[str, Any]:
         """Per source its rows taken and (text) this rank's streams, under a key naming the global batch
         size: the text streams depend on it."""
         state: dict[str, Any] = {
             "mixture": torch.tensor(
-                [self.step, self.micro, self.global_batch, self._fingerprint], dtype=torch.long
+                [self.step, self._cursor.micro, self.global_batch, self._fingerprint], dtype=torch.long
             )
         }
         for i, source in enumerate(self.sources):
             entry: dict[str, Any] = {"rows": torch.tensor(int(self.rows[i]), dtype=torch.long)}
             if isinstance(source.reader, TextSource):
-                entry[self._key()] = source.reader.state()
+                entry[source.reader.state_key] = source.reader.state()
             state[f"source_{i}"] = entry
         return state
 
@@ -231,14 +192,10 @@ class MixtureDataset(IterableDataset, Stateful):
                 "sources in the same order (the weights may change), or start the data afresh with "
                 "--checkpoint.exclude_from_loading dataloader"
             )
-        if micro and global_batch != self.global_batch:
-            raise ValueError(
-                f"The data loader state was taken in the middle of an optimizer step of {global_batch} "
-                f"sequences; resume it with that global batch size (this run's is {self.global_batch})"
-            )
-        self.step, self.micro = step, micro
+        self._cursor.load(micro, global_batch)
+        self.step = step
         for i, source in enumerate(self.sources):
             entry = state_dict[f"source_{i}"]
             self.rows[i] = int(entry["rows"])
             if isinstance(source.reader, TextSource):
-                source.reader.load(entry[self._key()])
+                source.reader.load(entry[source.reader.state_key])

@@ -14,6 +14,7 @@ The state is the epoch and the windows consumed in it, the same on every rank, s
 any layout and with any global batch size (it goes on from the next unconsumed window).
 """
 
+import functools
 import hashlib
 import json
 import math
@@ -22,7 +23,7 @@ import os
 import shutil
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
 from torchtitan.datasets.hf_tokenizer import tokenizer_file
-from torchtitan.datasets.streams import micro_batch_rows
-from torchtitan.logging import logger
+from torchtitan.datasets.layout import Batch, BatchLayout, StepCursor, warn_relooped
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -181,17 +181,16 @@ class PretokenizedDataset(IterableDataset, Stateful):
         folder: Path,
         manifest: dict[str, Any],
         seq_len: int,
-        batch_size: int,
-        dp_world_size: int = 1,
-        dp_rank: int = 0,
-        grad_accum_steps: int = 1,
+        layout: BatchLayout,
         infinite: bool = True,
         seed: int = 0,
         shuffle: bool = False,
     ):
         self.windows = TokenWindows(folder, manifest, seq_len + 1)
         self.window, self.num_windows = self.windows.window, self.windows.num_windows
-        self.global_batch = grad_accum_steps * batch_size * dp_world_size
+        # This rank's rows of a step, one list per micro-batch, and the next micro-batch to make.
+        self._cursor = StepCursor(layout)
+        self.global_batch = self._cursor.global_batch
         if self.num_windows < self.global_batch:
             raise ValueError(
                 f"{folder} holds {self.num_windows} windows of seq_len + 1 = {self.window} tokens, fewer "
@@ -202,14 +201,12 @@ class PretokenizedDataset(IterableDataset, Stateful):
         self.infinite = infinite
         self.shuffle = shuffle and infinite  # evaluation reads the windows in order
         self.seed = seed
-        # This rank's rows of a step, one list per micro-batch.
-        self._micro_rows = micro_batch_rows(batch_size, dp_world_size, dp_rank, grad_accum_steps)
         self.load_state_dict(self._fresh_state())
 
     def _order(self):
         return WindowOrder(self.num_windows, self.seed, self.epoch) if self.shuffle else (lambda i: i)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[Batch]:
         order = self._order()
         while True:
             if self.consumed + self.global_batch > self.num_windows:  # the incomplete last batch is dropped
@@ -217,20 +214,20 @@ class PretokenizedDataset(IterableDataset, Stateful):
                     self.load_state_dict(self._fresh_state())  # the next pass starts from the beginning
                     return
                 self.epoch, self.consumed = self.epoch + 1, 0
-                logger.warning(f"Dataset {self.folder} is being re-looped: starting epoch {self.epoch}")
+                warn_relooped(f"Dataset {self.folder}", self.epoch)
                 order = self._order()
-            for m in range(self.micro, len(self._micro_rows)):
-                windows = [order(self.consumed + row) for row in self._micro_rows[m]]
-                rows = np.stack([self.windows.read(w) for w in windows])
-                batch = torch.from_numpy(rows.astype(np.int64))
-                self.micro = m + 1
-                if self.micro == len(self._micro_rows):  # the state taken after a step counts it
-                    self.consumed, self.micro = self.consumed + self.global_batch, 0
-                yield batch[:, :-1], batch[:, 1:]
+            yield from self._cursor.rest_of_step(functools.partial(self._micro_batch, order), self._step_done)
+
+    def _micro_batch(self, order: Callable[[int], int], rows: list[int]) -> torch.Tensor:
+        windows = [order(self.consumed + row) for row in rows]
+        return torch.from_numpy(np.stack([self.windows.read(w) for w in windows]).astype(np.int64))
+
+    def _step_done(self) -> None:
+        self.consumed += self.global_batch
 
     def keep_share(self, worker: int, num_workers: int) -> None:
         """Keep rows ``worker, worker + num_workers, ...`` of each micro-batch (data loading workers)."""
-        self._micro_rows = [rows[worker::num_workers] for rows in self._micro_rows]
+        self._cursor.keep_share(worker, num_workers)
 
     def _fresh_state(self) -> dict[str, Any]:
         return {"pretokenized": torch.tensor([0, 0, 0, self.global_batch], dtype=torch.long)}
@@ -238,7 +235,7 @@ class PretokenizedDataset(IterableDataset, Stateful):
     def state_dict(self) -> dict[str, Any]:
         """Epoch, windows consumed in it, this step's micro-batches done, and the global batch size: the
         same on every rank between steps, whatever the layout."""
-        state = [self.epoch, self.consumed, self.micro, self.global_batch]
+        state = [self.epoch, self.consumed, self._cursor.micro, self.global_batch]
         return {"pretokenized": torch.tensor(state, dtype=torch.long)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -249,12 +246,8 @@ class PretokenizedDataset(IterableDataset, Stateful):
                 "--checkpoint.exclude_from_loading dataloader"
             )
         epoch, consumed, micro, global_batch = (int(v) for v in state_dict["pretokenized"])
-        if micro and global_batch != self.global_batch:
-            raise ValueError(
-                f"The data loader state was taken in the middle of an optimizer step of {global_batch} "
-                f"sequences; resume it with that global batch size (this run's is {self.global_batch})"
-            )
-        self.epoch, self.consumed, self.micro = epoch, consumed, micro
+        self._cursor.load(micro, global_batch)
+        self.epoch, self.consumed = epoch, consumed
 
 
 _worker: dict[str, Any] = {}
@@ -272,7 +265,8 @@ def _write_shard(index: int, texts: list[str]) -> dict[str, Any]:
     docs = [np.array(encode(text, bos=True, eos=True), dtype=dtype) for text in texts]
     offsets = np.cumsum([0] + [len(d) for d in docs], dtype=np.int64)
     tokens_name, offsets_name = shard_names(index)
-    np.concatenate(docs or [np.empty(0, dtype)]).tofile(_worker["folder"] / tokens_name)
+    # Written through Python's file rather than ndarray.tofile, whose failure drops the errno (a full disk)
+    (_worker["folder"] / tokens_name).write_bytes(np.concatenate(docs or [np.empty(0, dtype)]).tobytes())
     np.save(_worker["folder"] / offsets_name, offsets)
     return {
         "tokens": tokens_name,

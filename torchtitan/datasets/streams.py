@@ -2,7 +2,7 @@
 
 Document i of a dataset belongs to stream ``i % num_streams``, so a stream's n-th document is document
 ``stream + num_streams * n``. A rank reads the documents of its own streams only; nothing here depends on
-how many ranks there are.
+how many ranks there are. `TextStreams` is what a text dataset and a mixture's text source hold.
 """
 
 from collections import deque
@@ -13,19 +13,11 @@ from typing import Protocol
 import datasets
 import torch
 
+from torchtitan.datasets.layout import warn_relooped
+
 
 class TextTokenizer(Protocol):
     def encode(self, s: str, bos: bool, eos: bool) -> list[int]: ...
-
-
-def micro_batch_rows(
-    batch_size: int, dp_world_size: int, dp_rank: int, grad_accum_steps: int
-) -> list[list[int]]:
-    """The global rows of each of a rank's micro-batches in an optimizer step: micro-batch m of rank r holds
-    rows ``m * D * b + r * b + [0, b)`` (D ranks, per-rank batch b), whatever the loader."""
-    per_pass = batch_size * dp_world_size
-    first = dp_rank * batch_size
-    return [[m * per_pass + first + i for i in range(batch_size)] for m in range(grad_accum_steps)]
 
 
 def too_small(name: str, num_docs: int, num_streams: int) -> ValueError:
@@ -52,9 +44,11 @@ class MapDocuments:
         i = stream + self.num_streams * n
         return self.ds[i]["text"] if i < len(self.ds) else None
 
-    def all_texts(self) -> Iterator[str]:
+    def epoch_texts(self, streams: set[int]) -> Iterator[tuple[int, str]]:
+        """(stream, document) for every document of `streams` in an epoch; the others are not read."""
         for i in range(len(self.ds)):
-            yield self.ds[i]["text"]
+            if i % self.num_streams in streams:
+                yield i % self.num_streams, self.ds[i]["text"]
 
 
 class StreamingDocuments:
@@ -110,10 +104,16 @@ class StreamingDocuments:
         assert got_epoch == epoch and got_n in (n, -1), (stream, epoch, n, got_epoch, got_n)
         return text
 
-    def all_texts(self) -> Iterator[str]:
+    def epoch_texts(self, streams: set[int]) -> Iterator[tuple[int, str]]:
+        """(stream, document) for every document of `streams` in an epoch; the others are read, skipped."""
         self.ds.set_epoch(0)
-        for example in self.ds:
-            yield example["text"]
+        num_docs = 0
+        for i, example in enumerate(self.ds):
+            if i % self.num_streams in streams:
+                yield i % self.num_streams, example["text"]
+            num_docs = i + 1
+        if num_docs < self.num_streams:
+            raise too_small(self.name, num_docs, self.num_streams)
 
 
 class PackedStream:
@@ -165,3 +165,71 @@ class PackedStream:
                 self.doc, self.offset, self._tokens = self.doc + 1, 0, None
         self.windows += 1
         return torch.tensor(out, dtype=torch.long)
+
+
+class TextStreams:
+    """A rank's packed streams of one text dataset: of the `num_streams` streams (document i to stream
+    ``i % num_streams``, one per row of the global batch) it holds those of `rows`.
+
+    Their state is four integers per stream, keyed ``stream_{row}``: a rank saves and loads only its own
+    streams, so a layout with the same global batch finds its streams among the saved ones.
+    """
+
+    what = "Dataset"  # names the data in the warning logged when its streams start a new epoch
+
+    def __init__(
+        self,
+        name: str,
+        ds: datasets.Dataset | datasets.IterableDataset,
+        tokenizer: TextTokenizer,
+        window: int,
+        num_streams: int,
+        rows: list[int],
+    ):
+        self.name = name
+        self.num_streams = num_streams
+        self._tokenizer = tokenizer
+        if isinstance(ds, datasets.Dataset):
+            self.documents: MapDocuments | StreamingDocuments = MapDocuments(name, ds, num_streams)
+        else:
+            self.documents = StreamingDocuments(name, ds, num_streams, rows)
+        self.streams = {s: PackedStream(s, self.documents, tokenizer, window, self._on_epoch) for s in rows}
+        # The streams depend on how many there are: their state is saved under a key that says so.
+        self.state_key = f"global_batch_{num_streams}"
+        self._warned_epoch = 0
+
+    def _on_epoch(self, epoch: int) -> None:
+        if epoch > self._warned_epoch:
+            self._warned_epoch = epoch
+            warn_relooped(f"{self.what} {self.name!r}", epoch)
+
+    def tokens_per_stream(self, rows: list[int]) -> dict[int, int]:
+        """The tokens of the documents of streams `rows` (this rank's or not) in one epoch, tokenizing those
+        documents only: where a finite pass ends."""
+        tokens = dict.fromkeys(rows, 0)
+        for stream, text in self.documents.epoch_texts(set(rows)):
+            tokens[stream] += len(self._tokenizer.encode(text, bos=True, eos=True))
+        return tokens
+
+    def next_window(self, row: int) -> torch.Tensor:
+        return self.streams[row].next_window()
+
+    def keep_rows(self, rows: set[int]) -> None:
+        """Drop the other streams (a data loading worker keeps its share of the rows)."""
+        self.streams = {s: stream for s, stream in self.streams.items() if s in rows}
+        self._reset_documents()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {f"stream_{s}": stream.state() for s, stream in self.streams.items()}
+
+    def fresh_state(self) -> dict[str, torch.Tensor]:
+        """The state of streams that have read nothing yet."""
+        return {f"stream_{s}": torch.zeros(4, dtype=torch.long) for s in self.streams}
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        for s, stream in self.streams.items():
+            stream.load(state[f"stream_{s}"])
+        self._reset_documents()
+
+    def _reset_documents(self) -> None:
+        self.documents.reset({s: (stream.epoch, stream.doc) for s, stream in self.streams.items()})

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from torchtitan.config_manager import ConfigError, JobConfig, resolve_path
+from torchtitan.config_rules import loss_skips_output
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.distributed import clip_grad_norm_
 from torchtitan.errors import bad_input
@@ -67,7 +68,7 @@ def pipeline_stage_io(
         probe.to_empty(device=device)
         tokens = torch.randint(0, vocab_size, microbatch, device=device)
         with autocast:
-            output = probe(tokens, skip_output=cfg.training.loss_chunk_tokens > 0)
+            output = probe(tokens, skip_output=loss_skips_output(cfg.training))
     # Stage outputs and hidden inputs take gradients (those the stages send back).
     hidden, output = boundary[0].detach().requires_grad_(), output.detach().requires_grad_()
     return lambda stage_id: (

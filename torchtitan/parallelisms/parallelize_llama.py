@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtitan.config_manager import JobConfig
+from torchtitan.config_rules import loss_skips_output
 from torchtitan.models import model_spec
 from torchtitan.models.llama.model import RMSNorm
 from torchtitan.models.moe import MoE
@@ -81,8 +82,7 @@ def parallelize_llama(
             reshard_after_forward=reshard,
             forward_prefetch=par.fsdp_forward_prefetch,
             backward_prefetch=par.fsdp_backward_prefetch,
-            # The chunked loss reads the output projection's weight after the root's forward.
-            keep_root_after_forward=job_config.training.loss_chunk_tokens > 0,
+            keep_root_after_forward=loss_skips_output(job_config.training),
             moe_meshes=parallel_dims.moe_fsdp_meshes(world_mesh) if spec.moe else (None, None),
         )
     elif parallel_dims.dp_replicate_enabled:

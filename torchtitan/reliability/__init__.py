@@ -2,7 +2,8 @@
 
 - preflight.py: the torch-free checks of a job, run before any worker starts;
 - launcher.py: torchrun that forwards preemption signals and passes on the failed rank's code;
-- entry.py: the shape every job entry point shares (parse, preflight, hold the dump folder, run);
+- entry.py: the shape every job entry point shares (stop with the launcher, parse, preflight, hold the
+  dump folder, run);
 - dump_lock.py: one job per dump folder;
 - guards.py: in the loop, preemption (save and stop) and non-finite steps.
 

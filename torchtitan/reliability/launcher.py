@@ -2,10 +2,12 @@
 
     python -m torchtitan.reliability.launcher [torchrun options] train.py [train.py options]
 
-It differs from plain torchrun in two ways:
+It differs from plain torchrun in three ways:
 - SIGTERM and SIGUSR1 are passed on to the workers, and the launcher keeps waiting for them while
   they finish the step, save and exit with code 75 (torchrun would give them --shutdown-timeout,
   then kill them and report a failure);
+- it tells the workers its pid (LAUNCHER_PID_ENV), so that each one, however late it gets there, can
+  have the kernel send it SIGTERM when the launcher dies, even of SIGKILL (entry.stop_with_launcher);
 - it exits with the code of the first rank that failed (torchrun exits 1) and says so in one line
   instead of torchrun's ChildFailedError traceback; TITAN_DEBUG=1 shows that traceback again.
 """
@@ -28,6 +30,7 @@ from torchtitan.errors import (
 )
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+LAUNCHER_PID_ENV = "TITAN_LAUNCHER_PID"
 # Exit codes whose rank has printed its reason in one line already.
 EXPLAINED = {EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_COMM_FAILURE, EXIT_CHECKPOINT_WRITE, EXIT_PREEMPTED}
 
@@ -66,6 +69,7 @@ def main(argv: list[str]) -> int:
     args = parse_torchrun_args(["--signals-to-handle=SIGINT,SIGHUP,SIGQUIT", *argv])
     for sig in FORWARDED_SIGNALS:
         signal.signal(sig, _forward_signal)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     if not debug_enabled():
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_unexplained)
     try:

@@ -1,0 +1,97 @@
+"""Where text documents come from: a registered dataset (registry.py) or local files, read with Hugging Face
+`datasets` as a dataset with one "text" column (map-style, or streaming for a hub dataset that streams)."""
+
+from pathlib import Path
+
+import datasets
+from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patterns
+
+from torchtitan.config_manager import REPO_ROOT, path_candidates, resolve_path
+from torchtitan.datasets.registry import DATASETS, DatasetSpec
+
+# File suffix -> HF `datasets` builder. Compressed copies (e.g. C4's *.json.gz shards) work too.
+_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+_COMPRESSIONS = {".gz", ".bz2", ".xz", ".zst"}
+
+
+def _builder_for(path: Path) -> str | None:
+    suffixes = [s.lower() for s in path.suffixes]
+    if suffixes and suffixes[-1] in _COMPRESSIONS:
+        suffixes.pop()
+    return _BUILDERS.get(suffixes[-1]) if suffixes else None
+
+
+def resolve_data_path(path: str) -> Path:
+    """A local data file or folder, found as every path option is (`resolve_path`), made absolute."""
+    resolved = Path(resolve_path(path)).absolute()
+    if not resolved.exists():
+        tried = " or ".join(str(Path(c).absolute()) for c in path_candidates(path))
+        raise FileNotFoundError(f"Dataset path not found: {tried} (check training.dataset_path)")
+    return resolved
+
+
+def _split_files(folder: Path, split: str) -> list[Path]:
+    """Files of `split` in a folder, using HF's naming conventions (train*.jsonl, *-validation-*, ...).
+
+    A folder without split names in its file names is one "train" split.
+    """
+    try:
+        files_by_split = DataFilesDict.from_patterns(get_data_patterns(str(folder)), base_path=str(folder))
+    except EmptyDatasetError:
+        files_by_split = DataFilesDict()
+    if split not in files_by_split:
+        found = ", ".join(sorted(str(s) for s in files_by_split)) or "none"
+        raise ValueError(f"No files for split {split!r} in {folder} (splits found: {found})")
+    return [Path(f) for f in files_by_split[split] if _builder_for(Path(f))]
+
+
+def _load_local(path: Path, split: str) -> datasets.Dataset:
+    files = [path] if path.is_file() else _split_files(path, split)
+    builders = {_builder_for(f) for f in files}
+    if not files or None in builders:
+        raise ValueError(f"Dataset path {path} holds no .txt, .json, .jsonl or .parquet files")
+    if len(builders) > 1:
+        raise ValueError(f"Dataset path {path} mixes file types {sorted(builders)}; keep one type per folder")
+    if all(f.stat().st_size == 0 for f in files):
+        raise ValueError(f"Dataset path {path} is empty")
+    builder = builders.pop()
+    # A .txt file is one document; json/parquet rows are documents.
+    options = {"sample_by": "document"} if builder == "text" else {}
+    return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **options)
+
+
+def load_text_dataset(
+    dataset_name: str, dataset_path: str | None = None, split: str = "train"
+) -> datasets.Dataset | datasets.IterableDataset:
+    """Load a registered dataset, or local files at `dataset_path`, as a dataset with one "text" column.
+
+    `dataset_path` (a .txt/.json/.jsonl/.parquet file, or a folder of them) overrides where the data is read
+    from; with it, `dataset_name` may also be a name of your own.
+    """
+    spec = DATASETS.get(dataset_name)
+    if spec is None and dataset_path is None:
+        raise ValueError(
+            f"Unknown dataset {dataset_name!r}. Known datasets: {', '.join(sorted(DATASETS))}. "
+            "To train on your own files, set training.dataset_path to a .txt/.json/.jsonl/.parquet file "
+            "or a folder of them."
+        )
+    spec = spec or DatasetSpec(path=dataset_path, local=True)
+    split = spec.split or split
+    if dataset_path is not None:
+        ds = _load_local(resolve_data_path(dataset_path), split)
+    elif spec.local:
+        ds = _load_local(Path(REPO_ROOT) / spec.path, split)
+    else:
+        ds = datasets.load_dataset(spec.path, name=spec.config, split=split, streaming=spec.streaming)
+
+    if isinstance(ds, datasets.Dataset) and len(ds) == 0:
+        raise ValueError(f"Dataset {dataset_name!r} ({dataset_path or spec.path}, split {split!r}) is empty")
+    if ds.column_names is not None and spec.text_field not in ds.column_names:
+        raise ValueError(
+            f"Dataset {dataset_name!r} has no {spec.text_field!r} field "
+            f"(columns: {', '.join(ds.column_names)})"
+        )
+    ds = ds.select_columns([spec.text_field])
+    if spec.text_field != "text":
+        ds = ds.rename_column(spec.text_field, "text")
+    return ds
