@@ -114,14 +114,16 @@ def descendants(pid: int) -> list[int]:
 def subreaper() -> Iterator[None]:
     """Orphans among this process's descendants become its children, not init's: a test can wait for
     a dead launcher's workers (and read their exit codes), and they stay zombies until it does.
-    On leaving, every orphan is waited for (a trainer's data workers die with it)."""
+    On leaving, every orphan is waited for (a trainer's data workers die with it); children this
+    process had before (multiprocessing's resource tracker, which lives as long as it does) are not."""
     prctl = ctypes.CDLL(None, use_errno=True).prctl
+    earlier = set(children(os.getpid()))
     prctl(PR_SET_CHILD_SUBREAPER, 1)
     try:
         yield
     finally:
         prctl(PR_SET_CHILD_SUBREAPER, 0)
-        for pid in children(os.getpid()):
+        for pid in set(children(os.getpid())) - earlier:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
 
