@@ -316,7 +316,7 @@ def apply_fsdp(
         fully_shard(unit, mesh=dp_mesh, mp_policy=fp32_policy, reshard_after_forward=reshard)
     root_reshard = None if reshard_after_forward == "all_but_last" else reshard_after_forward
     root_reshard = False if keep_root_after_forward else root_reshard
-    root_policy = fp32_policy if fp32_policy and model.model_args.tie_word_embeddings else mp_policy
+    root_policy = root_mp_policy(model, mp_policy, fp32_policy)
     fully_shard(model, mesh=dp_mesh, mp_policy=root_policy, reshard_after_forward=root_reshard)
     if forward_prefetch:
         model.set_modules_to_forward_prefetch(blocks[:forward_prefetch])
@@ -342,8 +342,7 @@ def apply_ddp(
         replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
     for unit in fp32_units(model) if fp32_policy else []:
         replicate(unit, mesh=dp_mesh, mp_policy=fp32_policy)
-    root_policy = fp32_policy if fp32_policy and model.model_args.tie_word_embeddings else mp_policy
-    replicate(model, mesh=dp_mesh, mp_policy=root_policy)
+    replicate(model, mesh=dp_mesh, mp_policy=root_mp_policy(model, mp_policy, fp32_policy))
 
 
 def fp32_units(module: nn.Module) -> list[nn.Module]:
@@ -356,6 +355,14 @@ def fp32_units(module: nn.Module) -> list[nn.Module]:
     if embeddings is not None and not module.model_args.tie_word_embeddings:
         units.append(embeddings)
     return units
+
+
+def root_mp_policy(
+    model: nn.Module, mp_policy: MixedPrecisionPolicy, fp32_policy: MixedPrecisionPolicy | None
+) -> MixedPrecisionPolicy:
+    """The root's policy (embeddings, final norm, output): fp32 when it holds an embedding table tied to
+    the output layer (fp32_units leaves it there), else the matmul weights' one."""
+    return fp32_policy if fp32_policy and model.model_args.tie_word_embeddings else mp_policy
 
 
 def set_grad_all_reduce(model: nn.Module, enabled: bool) -> None:
