@@ -10,6 +10,7 @@
 | data pipeline | tokens/s the loader delivers / tokens/s train.py consumes | >= 20 |
 | data tokenized | tokens a rank tokenizes / tokens it trains on, simulated DP 1, 8, 64 (worst) | <= 1.25 |
 | data at scale | one rank's loader tokens/s at simulated DP 64 / at DP 1 | >= 0.8 |
+| streaming data at scale | the same, on a streaming source of 256 local files | >= 0.8 |
 | pre-tokenized loader | one rank's memory-mapped loader tokens/s, in order or shuffled (worst) | >= 5M |
 | pretokenize | scripts/pretokenize.py's tokens/s with 2 workers / with 1 | > 1 |
 | compile | train.py's steady step time compiled / eager | < 1 |
@@ -251,6 +252,34 @@ def part_data_sharding(tmp: str, steps: int = 200, seconds: float = 3.0) -> dict
     return result
 
 
+def part_data_streaming(tmp: str, files: int = 256, copies: int = 16, seconds: float = 5.0) -> dict:
+    """Rank 0's loader at simulated DP 1 and 64 on a local streaming source of `files` jsonl files (the
+    corpus `copies` times over, its documents dealt in turn to the files), the code path of a streaming hub
+    dataset such as C4: tokens/s past its first batch."""
+    import datasets
+
+    from torchtitan.datasets.loader import DataLoader
+    from torchtitan.datasets.sources import load_text_dataset
+    from torchtitan.datasets.text import TextDataset
+    from torchtitan.datasets.tokenizer import build_tokenizer
+
+    job_config = parse_args(TRAIN_ARGS)
+    t = job_config.training
+    tokenizer = build_tokenizer(ROOT / job_config.model.tokenizer_path)
+    texts = list(load_text_dataset(t.dataset, t.dataset_path)["text"]) * copies
+    paths = [Path(tmp, f"shard-{f:05d}.jsonl") for f in range(files)]
+    for f, path in enumerate(paths):
+        path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts[f::files]))
+    result = {"files": files, "documents": len(texts)}
+    for dp in (1, 64):
+        ds = datasets.load_dataset("json", data_files=[str(p) for p in paths], split="train", streaming=True)
+        dataset = TextDataset(t.dataset, ds, tokenizer, t.seq_len, t.batch_size, dp, 0)
+        batches = iter(DataLoader(dataset, t.batch_size))
+        next(batches)
+        result[dp] = loader_rate(batches, seconds)
+    return result
+
+
 def part_pretokenized(tmp: str, seconds: float = 3.0) -> dict:
     """Pretokenize the corpus 16 times over (18M tokens: on the corpus once, 0.4 s of work, starting the
     worker processes dominates) with 1 and 2 workers, 1,024 documents per shard (tokens/s, wall time: the
@@ -473,6 +502,7 @@ PARTS = {
     "compile": part_compile,
     "data": part_data,
     "data_sharding": part_data_sharding,
+    "data_streaming": part_data_streaming,
     "pretokenized": part_pretokenized,
     "checkpoint": part_checkpoint,
     "fsdp_memory": part_fsdp_memory,
@@ -642,6 +672,19 @@ def run_all(threads: int, tmp: str, only: str | None = None) -> dict:
         f"one rank's loader at DP 64 {ds['64'][clock]:,.0f} tokens/s ({ds['64']['wall']:,.0f}), "
         f"at DP 1 {ds['1'][clock]:,.0f} ({ds['1']['wall']:,.0f})",
         ds,
+    )
+
+    st = run_part("data_streaming", tmp, threads)
+    scale = st["64"][clock] / st["1"][clock]
+    add(
+        "streaming data at scale",
+        scale,
+        ">= 0.8",
+        scale >= 0.8,
+        f"one rank's loader at DP 64 {st['64'][clock]:,.0f} tokens/s ({st['64']['wall']:,.0f}), "
+        f"at DP 1 {st['1'][clock]:,.0f} ({st['1']['wall']:,.0f}); {st['documents']:,} documents streamed "
+        f"from {st['files']} local jsonl files",
+        st,
     )
 
     p = run_part("pretokenized", tmp, threads)

@@ -85,12 +85,18 @@ def reference_batches(
 ) -> list[torch.Tensor]:
     """The definition, computed without the loader: row j of global batch k is window k of stream j, the
     BOS/doc/EOS tokens of documents j, j + S, j + 2S, ... (S = num_streams), epoch after epoch."""
+    return stream_batches(tok, [docs[j::num_streams] for j in range(num_streams)], steps, seq_len)
+
+
+def stream_batches(tok, stream_docs: list[list[str]], steps: int, seq_len=SEQ_LEN) -> list[torch.Tensor]:
+    """Row j of global batch k is window k of the BOS/doc/EOS tokens of `stream_docs[j]`, epoch after
+    epoch."""
     window = seq_len + 1
     rows = []
-    for j in range(num_streams):
+    for docs in stream_docs:
         tokens: list[int] = []
         while len(tokens) < steps * window:
-            for d in docs[j::num_streams]:
+            for d in docs:
                 tokens += tok.encode(d, bos=True, eos=True)
                 if len(tokens) >= steps * window:
                     break
@@ -180,6 +186,61 @@ def test_layout_invariance(tok, docs_file, streaming):
         batches = global_batches(docs_loaders(tok, layout, docs_file, streaming), steps, (*layout, 1)[2])
         for k in range(steps):
             assert torch.equal(batches[k], reference[k]), (layout, k)
+
+
+def dealt_to_streams(files: list[list[str]], num_streams: int) -> list[list[str]]:
+    """Each stream's documents from a streaming source's files, by the definition: G = min(F, S) groups,
+    file f and stream s in group f % G and s % G, a group's documents (its files in order) dealt in turn to
+    its streams."""
+    groups = min(len(files), num_streams)
+    out = []
+    for s in range(num_streams):
+        members = range(s % groups, num_streams, groups)
+        docs = [d for f in files[s % groups :: groups] for d in f]
+        out.append(docs[members.index(s) :: len(members)])
+    return out
+
+
+def sharded_loaders(tok, layout: tuple[int, ...], paths: list[Path], read: list[str] | None = None):
+    """Loaders over a streaming source of several files, one per rank; `read` collects what is read."""
+    world, batch, accum = (*layout, 1)[:3]
+    out = []
+    for rank in range(world):
+        ds = datasets.load_dataset("json", data_files=[str(p) for p in paths], split="train", streaming=True)
+        if read is not None:
+            ds = ds.map(lambda example: read.append(example["text"]) or example)
+        out.append(DataLoader(HuggingFaceDataset("docs", ds, tok, SEQ_LEN, batch, world, rank, accum), batch))
+    return out
+
+
+@pytest.mark.parametrize("sizes", [(9, 3, 8, 5, 10, 5), (20, 12, 8)], ids=["6_files", "3_files"])
+def test_streaming_files_dealt_to_groups_of_streams(tok, tmp_path, sizes):
+    """A streaming source's files go to groups of streams (6 files: one group per stream; 3 files, fewer
+    than the 4 streams: streams 0 and 3 share file 0): every layout gives the same batches, across epochs,
+    a state saved on one layout resumes on the others, and a rank reads only its groups' files."""
+    files = [DOCS[sum(sizes[:f]) : sum(sizes[: f + 1])] for f in range(len(sizes))]
+    paths = [tmp_path / f"part-{f}.jsonl" for f in range(len(files))]
+    for path, docs in zip(paths, files):
+        path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    steps, resumed_at = 16, 7
+    reference = stream_batches(tok, dealt_to_streams(files, 4), steps)
+    for layout in LAYOUTS:
+        batches = global_batches(sharded_loaders(tok, layout, paths), steps, (*layout, 1)[2])
+        assert all_equal(batches, reference), layout
+
+    before = sharded_loaders(tok, (2, 2), paths)
+    global_batches(before, resumed_at)
+    state = merged_state(before)
+    for layout in [(1, 4), (4, 1), (1, 2, 2)]:
+        after = sharded_loaders(tok, layout, paths)
+        for dl in after:
+            dl.load_state_dict(copy.deepcopy(state))
+        assert all_equal(global_batches(after, steps - resumed_at, (*layout, 1)[2]), reference[resumed_at:])
+
+    read: list[str] = []
+    global_batches(sharded_loaders(tok, (4, 1), paths, read)[:1], steps)
+    own = set(dealt_to_streams(files, 4)[0])
+    assert own <= set(read) and set(read) <= {d for f in files[:: min(len(files), 4)] for d in f}
 
 
 def test_layout_invariance_kjv(tok):
@@ -373,6 +434,15 @@ def test_too_small_for_the_global_batch(tok, tmp_path, streaming, infinite):
     with pytest.raises(ValueError, match="has 3 documents, fewer than the 4 sequences of a global batch"):
         for dl in docs_loaders(tok, (2, 2), path, streaming, infinite=infinite):
             next(iter(dl))
+
+
+def test_streaming_group_too_small(tok, tmp_path):
+    """3 files for 4 streams: file 0 alone feeds streams 0 and 3, and one document is too few."""
+    paths = [tmp_path / f"part-{f}.jsonl" for f in range(3)]
+    for path, docs in zip(paths, [DOCS[:1], DOCS[1:6], DOCS[6:11]]):
+        path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    with pytest.raises(ValueError, match=r"group 0 \(file 0\) has 1 documents, fewer than its 2 sequences"):
+        next(iter(sharded_loaders(tok, (1, 4), paths)[0]))
 
 
 def test_kjv_validation_split():

@@ -1,8 +1,10 @@
 """Packed token streams: the documents dealt to one row of the global batch, tokenized and cut into windows.
 
-Document i of a dataset belongs to stream ``i % num_streams``, so a stream's n-th document is document
-``stream + num_streams * n``. A rank reads the documents of its own streams only; nothing here depends on
-how many ranks there are. `TextStreams` is what a text dataset and a mixture's text source hold.
+Document i of a map-style dataset belongs to stream ``i % num_streams``, so a stream's n-th document is
+document ``stream + num_streams * n``; a streaming dataset deals its files to groups of streams instead
+(`StreamingDocuments`), so that a rank opens only the files its streams read. A rank tokenizes the documents
+of its own streams only; nothing here depends on how many ranks there are. `TextStreams` is what a text
+dataset and a mixture's text source hold.
 """
 
 from collections import deque
@@ -51,69 +53,122 @@ class MapDocuments:
                 yield i % self.num_streams, self.ds[i]["text"]
 
 
-class StreamingDocuments:
-    """A streaming dataset, read once from the start of each epoch: documents of this rank's streams are
-    queued (raw text, tokenized only when their stream reaches them), the others are skipped over.
+class _GroupReader:
+    """Where one group's reading stands: its epoch, the index of the next document among the group's, and
+    the open iterator over its files (None until the next document is wanted)."""
 
-    Streams consume documents at slightly different rates, so the queues hold, untokenized, the documents
-    dealt to the faster streams while the slowest one catches up. Resuming skips to the earliest document
-    any stream needs: that costs reading, not tokenizing.
+    def __init__(self, streams: range, epoch: int, index: int):
+        self.streams = streams
+        self.epoch, self.index = epoch, index
+        self.texts: Iterator[str] | None = None
+
+
+class StreamingDocuments:
+    """A streaming dataset, read in order from the start of each epoch, its files (shards) dealt to groups
+    of streams so that a rank opens only the files that hold its streams' documents.
+
+    With F files and S streams there are G = min(F, S) groups: file f and stream s belong to group
+    ``f % G`` and ``s % G``, and a group's documents (its files in order) are dealt in turn to its streams.
+    At F >= S every stream reads files of its own; a source with fewer files than streams shares each file
+    among S / G streams (read by each of their ranks, skipped where not theirs); with one file (G = 1),
+    document i goes to stream ``i % S`` as with map-style data. The dealing depends only on F and S, never
+    on the layout.
+
+    Documents of this rank's streams are queued (raw text, tokenized only when their stream reaches them),
+    the others are skipped over. Streams consume documents at slightly different rates, so the queues hold,
+    untokenized, the documents dealt to the faster streams of a group while the slowest one catches up.
+    Resuming skips each group to the earliest document its streams need: that costs reading, not tokenizing.
     """
 
     def __init__(self, name: str, ds: datasets.IterableDataset, num_streams: int, streams: list[int]):
         self.name = name
         self.ds = ds
         self.num_streams = num_streams
+        self.num_groups = min(ds.n_shards, num_streams)
         self.reset({s: (0, 0) for s in streams})
 
+    def _group_streams(self, group: int) -> range:
+        return range(group, self.num_streams, self.num_groups)
+
+    def _group_documents(self, group: int) -> datasets.IterableDataset:
+        """The documents of files ``group, group + G, ...``, in order: only those files are opened."""
+        if self.num_groups == 1:
+            return self.ds
+        return self.ds.shard(num_shards=self.num_groups, index=group, contiguous=False)
+
+    def _too_small(self, group: int, num_docs: int) -> ValueError:
+        if self.num_groups == 1:
+            return too_small(self.name, num_docs, self.num_streams)
+        files = [str(f) for f in range(group, self.ds.n_shards, self.num_groups)]
+        shown = ", ".join(files[:3]) + (", ..." if len(files) > 3 else "")
+        return ValueError(
+            f"Dataset {self.name!r} deals its {self.ds.n_shards} files to {self.num_groups} groups of the "
+            f"{self.num_streams} sequences of a global batch, and group {group} (file {shown}) has "
+            f"{num_docs} documents, fewer than its {len(self._group_streams(group))} sequences: use more "
+            "data or a smaller global batch"
+        )
+
     def reset(self, starts: dict[int, tuple[int, int]]) -> None:
-        """Read on from the first of `starts` (stream -> (epoch, n)); earlier documents are skipped."""
+        """Read on from `starts` (stream -> (epoch, n)); each group skips to the first document its streams
+        need."""
         self._starts = starts
         self._queues: dict[int, deque[tuple[int, int, str | None]]] = {s: deque() for s in starts}
-        epoch, first = min((e, s + self.num_streams * n) for s, (e, n) in starts.items())
-        self._epoch, self._index = epoch, first
-        self._reader: Iterator[str] | None = None
+        self._readers: dict[int, _GroupReader] = {}
+        for group in sorted({s % self.num_groups for s in starts}):
+            streams = self._group_streams(group)
+            epoch, first = min(
+                (e, streams.index(s) + len(streams) * n) for s, (e, n) in starts.items() if s in streams
+            )
+            self._readers[group] = _GroupReader(streams, epoch, first)
 
-    def _read_one(self) -> None:
-        """Queue the next document for its stream if it is one of ours; at the end of an epoch, queue an
-        end-of-epoch marker (text None) for every stream."""
-        if self._reader is None:
-            self.ds.set_epoch(self._epoch)
-            ds = self.ds.skip(self._index) if self._index else self.ds
-            # In batches: a rank reads every document, so reading costs more than its own tokenizing.
-            self._reader = chain.from_iterable(batch["text"] for batch in ds.iter(batch_size=256))
-        text = next(self._reader, None)
+    def _read_one(self, group: int) -> None:
+        """Queue the group's next document for its stream if it is one of ours; at the end of an epoch,
+        queue an end-of-epoch marker (text None) for every stream of the group."""
+        reader = self._readers[group]
+        if reader.texts is None:
+            ds = self._group_documents(group)
+            ds.set_epoch(reader.epoch)
+            ds = ds.skip(reader.index) if reader.index else ds
+            # In batches: a rank reads its groups' every document, so reading costs as much as tokenizing.
+            reader.texts = chain.from_iterable(batch["text"] for batch in ds.iter(batch_size=256))
+        text = next(reader.texts, None)
+        streams = reader.streams
         if text is None:
-            if self._index < self.num_streams:
-                raise too_small(self.name, self._index, self.num_streams)
-            for s, queue in self._queues.items():
-                if self._epoch >= self._starts[s][0]:
-                    queue.append((self._epoch, -1, None))
-            self._epoch, self._index, self._reader = self._epoch + 1, 0, None
+            if reader.index < len(streams):
+                raise self._too_small(group, reader.index)
+            for s in streams:
+                if s in self._queues and reader.epoch >= self._starts[s][0]:
+                    self._queues[s].append((reader.epoch, -1, None))
+            reader.epoch, reader.index, reader.texts = reader.epoch + 1, 0, None
             return
-        s, n = self._index % self.num_streams, self._index // self.num_streams
-        if s in self._queues and (self._epoch, n) >= self._starts[s]:
-            self._queues[s].append((self._epoch, n, text))
-        self._index += 1
+        s, n = streams[reader.index % len(streams)], reader.index // len(streams)
+        if s in self._queues and (reader.epoch, n) >= self._starts[s]:
+            self._queues[s].append((reader.epoch, n, text))
+        reader.index += 1
 
     def get(self, stream: int, epoch: int, n: int) -> str | None:
         queue = self._queues[stream]
         while not queue:
-            self._read_one()
+            self._read_one(stream % self.num_groups)
         got_epoch, got_n, text = queue.popleft()
         assert got_epoch == epoch and got_n in (n, -1), (stream, epoch, n, got_epoch, got_n)
         return text
 
     def epoch_texts(self, streams: set[int]) -> Iterator[tuple[int, str]]:
-        """(stream, document) for every document of `streams` in an epoch; the others are read, skipped."""
-        self.ds.set_epoch(0)
-        num_docs = 0
-        for i, example in enumerate(self.ds):
-            if i % self.num_streams in streams:
-                yield i % self.num_streams, example["text"]
-            num_docs = i + 1
-        if num_docs < self.num_streams:
-            raise too_small(self.name, num_docs, self.num_streams)
+        """(stream, document) for every document of `streams` in an epoch; only their groups' files are
+        read, the other documents there skipped."""
+        for group in sorted({s % self.num_groups for s in streams}):
+            ds = self._group_documents(group)
+            ds.set_epoch(0)
+            group_streams = self._group_streams(group)
+            num_docs = 0
+            for i, example in enumerate(ds):
+                s = group_streams[i % len(group_streams)]
+                if s in streams:
+                    yield s, example["text"]
+                num_docs = i + 1
+            if num_docs < len(group_streams):
+                raise self._too_small(group, num_docs)
 
 
 class PackedStream:
