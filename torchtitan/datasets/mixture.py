@@ -74,6 +74,11 @@ class PretokenizedSource:
     """A pre-tokenized source of a mixture: its n-th row is window ``order(n % W)`` of epoch ``n // W``."""
 
     def __init__(self, name: str, windows: TokenWindows, seed: int, shuffle: bool):
+        if windows.num_windows == 0:
+            raise ValueError(
+                f"source {name!r} holds {windows.num_tokens} tokens, fewer than one window of seq_len + 1 = "
+                f"{windows.window}: give it more data or leave it out"
+            )
         self.name = name
         self._windows = windows
         self._seed, self._shuffle = seed, shuffle

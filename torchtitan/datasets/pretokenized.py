@@ -204,8 +204,9 @@ class TokenWindows:
         self._vocab_size = manifest["tokenizer"]["vocab_size"]
         self._unchecked = set(range(len(shards)))
         self._starts = np.cumsum([0] + [s["num_tokens"] for s in shards]).tolist()
+        self.num_tokens = self._starts[-1]
         self.window = window
-        self.num_windows = self._starts[-1] // window
+        self.num_windows = self.num_tokens // window
 
     def read(self, w: int) -> np.ndarray:
         """Window w (it may span shards)."""
