@@ -97,6 +97,12 @@ def check_shard(path: Path, tokens: np.ndarray, crc32: int | None, vocab_size: i
         )
 
 
+def file_stats(paths: list[Path]) -> str:
+    """The size and modification time of each file: what tells that files changed without reading them."""
+    stats = [(path, path.stat()) for path in paths]
+    return "\n".join(f"{path} {stat.st_size} {stat.st_mtime_ns}" for path, stat in stats)
+
+
 def is_pretokenized(folder: Path) -> bool:
     """A folder with a manifest is pre-tokenized data; one with shards but no manifest is refused, as
     pretokenize.py writes the manifest last and an interrupted run leaves no such folder."""
@@ -207,6 +213,12 @@ class TokenWindows:
         self.num_tokens = self._starts[-1]
         self.window = window
         self.num_windows = self.num_tokens // window
+
+    def contents(self) -> str:
+        """What identifies the shards' content: their CRC32s, else (an older manifest) their files' stats."""
+        if None in self._crc32:
+            return file_stats(self._paths)
+        return "\n".join(f"{path.name} {crc}" for path, crc in zip(self._paths, self._crc32))
 
     def read(self, w: int) -> np.ndarray:
         """Window w (it may span shards)."""
