@@ -104,7 +104,7 @@ class PretokenizedSource:
         return lambda w: w
 
     def contents(self) -> str:
-        """What identifies the source's content in the checkpoint (its shard checksums)."""
+        """What identifies the source's content in the checkpoint (`TokenWindows.contents`)."""
         return self._windows.contents()
 
     def read(self, row: int, n: int) -> torch.Tensor:
