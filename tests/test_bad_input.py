@@ -228,6 +228,16 @@ def pretokenized(option: str, damage=None, texts: list[str] | None = None):
     return argv
 
 
+def symlink_to(tmp: Path, target: Path) -> Path:
+    (tmp / "link").symlink_to(target)
+    return tmp / "link"
+
+
+def same_folder_twice(other):
+    """A mixture of the bundled corpus folder and `other(tmp)`, another spelling of it."""
+    return lambda tmp, dump, trained: ["--training.mixture", f"{ROOT}/assets/corpus/kjv,{other(tmp)}"]
+
+
 # What each kind of wrong path is made of, and the words of its error.
 WRONG_PATHS = {
     "folder": (Path.mkdir, "is a folder, not a file"),
@@ -424,6 +434,33 @@ CASES = [
         "mixture unknown source",
         args("--training.mixture", "kjv:1,wikipedia:1"),
         "training.mixture: unknown source wikipedia: not a dataset name (c4, kjv, kjv_validation)",
+    ),
+    Case(
+        "mixture weights overflow",
+        args("--training.mixture", "kjv:1e308,kjv_validation:1e308"),
+        "training.mixture: the weights add up to inf, more than a float holds; scale them down",
+    ),
+    Case(
+        "mixture source through a symlink",
+        same_folder_twice(lambda tmp: str(symlink_to(tmp, ROOT / "assets/corpus/kjv"))),
+        "training.mixture: '{root}/assets/corpus/kjv' and '{tmp}/link' are the same data "
+        "({root}/assets/corpus/kjv); give each source once",
+    ),
+    Case(
+        "mixture source with a trailing slash",
+        same_folder_twice(lambda tmp: f"{ROOT}/assets/corpus/kjv/"),
+        "training.mixture: '{root}/assets/corpus/kjv' and '{root}/assets/corpus/kjv/' are the same data",
+    ),
+    Case(
+        "mixture pre-tokenized source shorter than a window",
+        pretokenized("--training.mixture", texts=["In the beginning"] * 8),
+        "training.mixture: source '{tmp}/tokens' holds 48 tokens, fewer than one window of seq_len + 1 = 65: "
+        "give it more data or leave it out",
+    ),
+    Case(
+        "mixture text source smaller than a global batch",
+        with_file("--training.mixture", "few.jsonl", b'{"text": "In the beginning"}\n' * 4),
+        "training.mixture: Dataset '{tmp}/few.jsonl' has 4 documents, fewer than the 8 sequences",
     ),
     Case("unknown flavor", args("--model.flavor", "3B"), "model.flavor: llama3 has no flavor '3B'"),
     Case(
@@ -673,7 +710,7 @@ def test_bad_input_is_one_line_and_changes_nothing(case, trained, tmp_path, caps
     # Ours is the last line; a library may have printed a progress bar or warning before it.
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and err.endswith(errors[0] + "\n"), err
-    assert case.message.replace("{tmp}", str(tmp_path)) in errors[0], err
+    assert case.message.replace("{tmp}", str(tmp_path)).replace("{root}", str(ROOT)) in errors[0], err
     assert "Traceback" not in err
     assert [folder_hashes(folder) for folder in watched] == before
     assert not (tmp_path / "pwned").exists(), "code from a checkpoint was run"

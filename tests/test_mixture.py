@@ -1,8 +1,10 @@
 """Mixtures (training.mixture): rows drawn from several sources by weight, the same on every layout."""
 
 import copy
+import json
 import os
 import shutil
+import zlib
 from pathlib import Path
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -217,3 +219,46 @@ def test_train_on_a_mixture(text_and_tokens, tmp_path):
         counts = record["source_tokens"]
         assert list(counts) == [str(text), str(tokens), "kjv"]
         assert sum(counts.values()) == record["step"] * 2 * 64
+
+
+def test_resume_notices_a_changed_source(text_and_tokens, tmp_path, capsys):
+    """A source whose content changed since the checkpoint (a pre-tokenized folder made again: its shard
+    checksums; a text file's size or time) stops the resume in one line, exit code 2, before step 1 and
+    without touching the dump folder."""
+    text = Path(shutil.copy(text_and_tokens[0], tmp_path))
+    tokens = shutil.copytree(text_and_tokens[1], tmp_path / "tokens")
+    job = [*TINY_JOB, "--training.mixture", f"{text}:2,{tokens}:1", "--training.data_workers", "0"]
+    job += ["--checkpoint.enable_checkpoint", "true", "--job.dump_folder", str(tmp_path / "dump")]
+    assert run_train_in_process(*job, "--training.steps", "1") == 0
+    dump = {path: path.read_bytes() for path in (tmp_path / "dump").rglob("*") if path.is_file()}
+    manifest = (tokens / "manifest.json").read_text()
+    remade = json.loads(manifest)
+    remade["shards"][0]["crc32"] += 1
+
+    def edit_text() -> None:
+        (tokens / "manifest.json").write_text(manifest)
+        text.write_text(text.read_text() + json.dumps({"text": "and one more"}) + "\n")
+
+    for change in (lambda: (tokens / "manifest.json").write_text(json.dumps(remade)), edit_text):
+        change()
+        capsys.readouterr()
+        assert run_train_in_process(*job, "--training.steps", "2") == 2
+        err = capsys.readouterr().err
+        assert [line for line in err.splitlines() if "error" in line.lower()] == [
+            "error: training.mixture: the checkpoint's data state is of another list of sources, or a source "
+            "changed since (a text source's file sizes or modification times, a pre-tokenized source's shard "
+            "checksums); give the same sources in the same order, unchanged (the weights may change), or "
+            "start the data afresh with --checkpoint.exclude_from_loading dataloader"
+        ], err
+        assert {path: path.read_bytes() for path in (tmp_path / "dump").rglob("*") if path.is_file()} == dump
+
+
+def test_checkpoint_of_names_only_fingerprint_resumes(tok, text_and_tokens):
+    """A mixture checkpoint saved before the sources' content was fingerprinted still resumes."""
+    (dl,) = mixture_loaders(tok, (1, 4), [(str(path), 1.0) for path in text_and_tokens])
+    global_batches([dl], 1)
+    state = copy.deepcopy(dl.state_dict())
+    state["dataset_state"]["mixture"][3] = zlib.crc32("\n".join(str(p) for p in text_and_tokens).encode())
+    (resumed,) = mixture_loaders(tok, (1, 4), [(str(path), 1.0) for path in text_and_tokens])
+    resumed.load_state_dict(state)
+    assert resumed.state_dict()["dataset_state"]["mixture"][0] == 1

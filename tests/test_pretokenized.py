@@ -311,3 +311,57 @@ def test_train_and_validate_from_pretokenized_data(tmp_path):
     assert resumed == {step: straight[step] for step in (3, 4)}
     validation = [r for r in read_records(tmp_path / "straight") if "validation_loss" in r]
     assert [r["step"] for r in validation] == [2, 4] and validation[0]["validation_tokens"] == 2 * 8 * 64
+
+
+def set_token(folder: Path, value: int, old_manifest: bool = False) -> None:
+    """Token 3 of shard 0 made `value`, as a flipped byte would; with `old_manifest`, the manifest
+    loses its checksums, as an older pretokenize.py wrote it."""
+    path = folder / "shard-00000.bin"
+    tokens = np.fromfile(path, dtype=np.uint16)
+    tokens[3] = value
+    path.write_bytes(tokens.tobytes())
+    if old_manifest:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        for shard in manifest["shards"]:
+            del shard["crc32"]
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(
+    "value, old_manifest, workers, message",
+    [
+        (5, False, 1, "does not match its CRC32 checksum in manifest.json"),
+        (65535, False, 0, "does not match its CRC32 checksum in manifest.json"),
+        (65535, True, 0, "holds token id 65535, beyond the 2256 ids of the tokenizer it was made with"),
+    ],
+    ids=[
+        "another valid id, in a data worker",
+        "beyond the vocabulary",
+        "beyond the vocabulary, no checksums",
+    ],
+)
+def test_damaged_shard_is_one_line(folder, tmp_path, capsys, value, old_manifest, workers, message):
+    """A shard whose bytes changed after pretokenize.py wrote it (its CRC32 differs), or that holds an id
+    beyond the vocabulary (an IndexError in the embedding otherwise), stops train.py when first read, in
+    one line naming the file (exit code 2), also from a data-loading worker; nothing is saved. The worker
+    case runs train.py as a program: in this process, the failed worker would outlive the run by 10 s."""
+    data = tmp_path / "data"
+    shutil.copytree(folder, data)
+    set_token(data, value, old_manifest)
+    job = [*TINY_JOB, "--training.dataset_path", str(data), "--training.steps", "1"]
+    job += ["--training.data_workers", str(workers), "--checkpoint.enable_checkpoint", "true"]
+    job += ["--job.dump_folder", str(tmp_path / "dump")]
+    if workers:
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "train.py"), *job], capture_output=True, text=True
+        )
+        code, out, err = result.returncode, result.stdout, result.stderr
+    else:
+        code = run_train_in_process(*job)
+        out, err = capsys.readouterr()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith(f"error: {data}/shard-00000.bin ") and message in errors[0], err
+    assert errors[0].endswith("restore it from a copy, or re-run scripts/pretokenize.py")
+    assert ("has no shard checksums (an older pretokenize.py)" in out + err) == old_manifest
+    assert not (tmp_path / "dump" / "checkpoint").exists()

@@ -192,6 +192,8 @@ def load_states(states: dict[str, Stateful], path: str, parts: list[str]) -> Non
             storage_reader=SafeReader(path),  # runs no code from the files (torchtitan/safe_dcp.py)
             planner=SafeLoadPlanner(),
         )
+    except ConfigError:  # a part's own one line (a mixture's changed sources)
+        raise
     except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException
         raise ConfigError(
             f"checkpoint: cannot load {path} ({str(e).strip().splitlines()[-1]}); it may come from a "

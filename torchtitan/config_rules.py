@@ -6,8 +6,9 @@ starts, and train.py and the scripts run them again with what only a worker know
 raises a ConfigError naming the first bad option and the fix."""
 
 import math
+import os
 
-from torchtitan.config_manager import ConfigError, JobConfig, LRSchedulerConfig, TrainingConfig
+from torchtitan.config_manager import ConfigError, JobConfig, LRSchedulerConfig, TrainingConfig, resolve_path
 from torchtitan.models import flavor_args, model_spec
 from torchtitan.models.spec import ModelArgs
 from torchtitan.parallelisms.parallel_dims import ParallelDims
@@ -183,13 +184,16 @@ def check_validation(job_config: JobConfig, parallel_dims: ParallelDims) -> None
 
 
 def mixture_sources(training_config: TrainingConfig) -> list[tuple[str, float]]:
-    """training.mixture as (source, weight) pairs: 'source:weight' items, the weight 1 when left out."""
+    """training.mixture as (source, weight) pairs: 'source:weight' items, the weight 1 when left out.
+    Sources are told apart by their real path, so that one folder given twice (through a symlink, with a
+    trailing slash) is not read as two; a dataset name (no local path) by its name."""
     if training_config.mixture and training_config.dataset_path is not None:
         raise ConfigError(
             "training.mixture: set either training.mixture or training.dataset_path (a mixture names its "
             "files itself); remove one"
         )
     sources: list[tuple[str, float]] = []
+    real_paths: dict[str, str] = {}  # a source's real path (its name when it is none) -> the source
     for item in training_config.mixture:
         source, sep, weight_text = item.rpartition(":")
         if not sep or not source:
@@ -202,11 +206,25 @@ def mixture_sources(training_config: TrainingConfig) -> list[tuple[str, float]]:
             ) from None
         if not math.isfinite(weight) or weight < 0:
             raise ConfigError(f"training.mixture: {item!r} has weight {weight_text}; weights must be >= 0")
-        if source in (s for s, _ in sources):
+        if source in real_paths.values():
             raise ConfigError(f"training.mixture: {source!r} is listed twice; give each source once")
+        local = resolve_path(source)
+        real = os.path.realpath(local) if os.path.exists(local) else source
+        if real in real_paths:
+            raise ConfigError(
+                f"training.mixture: {real_paths[real]!r} and {source!r} are the same data ({real}); "
+                "give each source once"
+            )
+        real_paths[real] = source
         sources.append((source, weight))
     if sources and not any(weight > 0 for _, weight in sources):
         raise ConfigError("training.mixture: every weight is 0; give at least one source a positive weight")
+    total = sum(weight for _, weight in sources)
+    if not math.isfinite(total):
+        raise ConfigError(
+            f"training.mixture: the weights add up to {total}, more than a float holds; scale them down "
+            "(only their ratios matter)"
+        )
     return sources
 
 

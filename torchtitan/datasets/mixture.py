@@ -14,14 +14,16 @@ What a row reads from its source:
   ``n // W``, W windows, `order` seeded and new each epoch when `training.shuffle_windows`).
 
 The state: the step, the micro-batches done in it and the rows each source gave so far (the same on every
-rank), the four integers of each text stream of this rank, and a fingerprint of the source list. The
-weights may change between runs (the rows already taken stay taken); the sources may not.
+rank), the four integers of each text stream of this rank, and a fingerprint of the source list and of each
+source's content (its shard checksums, or its files' sizes and modification times). The weights may change
+between runs (the rows already taken stay taken); the sources may not.
 """
 
 import functools
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,9 +31,12 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
+from torchtitan.config_manager import ConfigError, resolve_path
 from torchtitan.datasets.layout import Batch, BatchLayout, StepCursor, warn_relooped
-from torchtitan.datasets.pretokenized import TokenWindows, WindowOrder, splitmix64
+from torchtitan.datasets.pretokenized import TokenWindows, WindowOrder, file_stats, splitmix64
+from torchtitan.datasets.registry import DATASETS
 from torchtitan.datasets.streams import TextStreams
+from torchtitan.logging import logger
 
 _MIXTURE_SALT = 0x6D69787475726521  # keeps the row choices apart from other uses of the seed
 
@@ -54,9 +59,18 @@ def row_choices(seed: int, step: int, global_batch: int, weights: list[float]) -
     return np.searchsorted(cumulative, uniform, side="right")
 
 
-def fingerprint(names: list[str]) -> int:
-    """Identifies the list of sources (as given) in the checkpoint."""
-    return zlib.crc32("\n".join(names).encode())
+def fingerprint(names: list[str], contents: list[str]) -> int:
+    """Identifies the list of sources (as given) and their content in the checkpoint; a checkpoint saved
+    before contents were fingerprinted holds that of the names alone (no `contents`)."""
+    return zlib.crc32("\n".join(names + contents).encode())
+
+
+def local_files(name: str) -> list[Path]:
+    """The files of a text source: its file, or every file under its folder; none for a hub dataset."""
+    path = Path(resolve_path(DATASETS[name].path if name in DATASETS else name))
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.is_file())
+    return [path] if path.is_file() else []
 
 
 class TextSource(TextStreams):
@@ -74,6 +88,11 @@ class PretokenizedSource:
     """A pre-tokenized source of a mixture: its n-th row is window ``order(n % W)`` of epoch ``n // W``."""
 
     def __init__(self, name: str, windows: TokenWindows, seed: int, shuffle: bool):
+        if windows.num_windows == 0:
+            raise ValueError(
+                f"source {name!r} holds {windows.num_tokens} tokens, fewer than one window of seq_len + 1 = "
+                f"{windows.window}: give it more data or leave it out"
+            )
         self.name = name
         self._windows = windows
         self._seed, self._shuffle = seed, shuffle
@@ -83,6 +102,10 @@ class PretokenizedSource:
         if self._shuffle:
             return WindowOrder(self._windows.num_windows, self._seed, epoch)
         return lambda w: w
+
+    def contents(self) -> str:
+        """What identifies the source's content in the checkpoint (`TokenWindows.contents`)."""
+        return self._windows.contents()
 
     def read(self, row: int, n: int) -> torch.Tensor:
         """The source's n-th window of the run; a rank reads its rows' in increasing n."""
@@ -122,7 +145,14 @@ class MixtureDataset(IterableDataset, Stateful):
         self.seed = seed
         self._cursor = StepCursor(BatchLayout(batch_size, dp_world_size, dp_rank, grad_accum_steps))
         self.global_batch = self._cursor.global_batch
-        self._fingerprint = fingerprint([s.name for s in sources])
+        self._names = [s.name for s in sources]
+        contents = [
+            s.reader.contents()
+            if isinstance(s.reader, PretokenizedSource)
+            else file_stats(local_files(s.name))
+            for s in sources
+        ]
+        self._fingerprint = fingerprint(self._names, contents)
         self.step = 0
         self.rows = np.zeros(len(sources), dtype=np.int64)
 
@@ -186,11 +216,14 @@ class MixtureDataset(IterableDataset, Stateful):
                 "with --checkpoint.exclude_from_loading dataloader"
             )
         step, micro, global_batch, saved_fingerprint = (int(v) for v in state_dict["mixture"])
-        if saved_fingerprint != self._fingerprint:
-            raise ValueError(
-                "training.mixture: the checkpoint's data state is of another list of sources; give the same "
-                "sources in the same order (the weights may change), or start the data afresh with "
-                "--checkpoint.exclude_from_loading dataloader"
+        if saved_fingerprint == fingerprint(self._names, []):
+            logger.info("training.mixture: the checkpoint predates fingerprints of the sources' content")
+        elif saved_fingerprint != self._fingerprint:
+            raise ConfigError(
+                "training.mixture: the checkpoint's data state is of another list of sources, or a source "
+                "changed since (a text source's file sizes or modification times, a pre-tokenized source's "
+                "shard checksums); give the same sources in the same order, unchanged (the weights may "
+                "change), or start the data afresh with --checkpoint.exclude_from_loading dataloader"
             )
         self._cursor.load(micro, global_batch)
         self.step = step

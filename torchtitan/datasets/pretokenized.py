@@ -3,9 +3,10 @@
 A pre-tokenized folder holds ``manifest.json`` and, per shard, ``shard-NNNNN.bin`` (the tokens of a
 contiguous range of documents, each framed by BOS, if the tokenizer has one, and EOS as the on-the-fly
 loader encodes it; uint16 when the vocabulary fits, else uint32) and ``shard-NNNNN.offsets.npy`` (int64:
-where each document starts, then the shard's length). Training cuts windows of ``seq_len + 1`` tokens
-from the concatenation of all shards: window w is tokens ``[w * (seq_len + 1), (w + 1) * (seq_len + 1))``,
-the partial tail dropped.
+where each document starts, then the shard's length); the manifest holds each shard's CRC32, checked with
+its largest token id when a rank first reads the shard (`check_shard`). Training cuts windows of
+``seq_len + 1`` tokens from the concatenation of all shards: window w is tokens
+``[w * (seq_len + 1), (w + 1) * (seq_len + 1))``, the partial tail dropped.
 
 Global row j of optimizer step k (S sequences per step) reads window ``order(k * S + j)`` of the epoch,
 ``order`` being the identity or, with ``training.shuffle_windows``, a seeded bijection of the windows that
@@ -21,6 +22,7 @@ import math
 import multiprocessing
 import os
 import shutil
+import zlib
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -32,14 +34,17 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
+from torchtitan.config_manager import ConfigError
 from torchtitan.datasets.hf_tokenizer import tokenizer_file
 from torchtitan.datasets.layout import Batch, BatchLayout, StepCursor, warn_relooped
+from torchtitan.logging import logger
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SHARD_SUFFIX = ".bin"
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 RERUN = "re-run scripts/pretokenize.py"
+CHECK_BLOCK = 1 << 24  # tokens read at a time when a shard is checked
 
 
 def shard_names(index: int) -> tuple[str, str]:
@@ -57,6 +62,45 @@ def file_sha256(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+class DamagedShard(ConfigError):
+    """A shard that fails its check when first opened (exit code 2). Raised in a data-loading worker, it is
+    raised again in the trainer by torch's DataLoader as DamagedShard("Caught DamagedShard in DataLoader
+    worker process N. Original Traceback ...: <message>"): keep the one line the contract wants."""
+
+    def __init__(self, message: str):
+        if message.startswith(f"Caught {type(self).__name__} "):
+            message = message.rstrip().rpartition(f"{type(self).__name__}: ")[2]
+        super().__init__(message)
+
+
+def check_shard(path: Path, tokens: np.ndarray, crc32: int | None, vocab_size: int) -> None:
+    """One pass over a shard's tokens: their CRC32 against the manifest's (`crc32`; None for a manifest
+    of an older pretokenize.py) and their largest id against the vocabulary, as an id beyond it would
+    index past the embedding table. Done when a rank first reads the shard, not for the whole folder at
+    start: datasets run to terabytes."""
+    crc, top = 0, 0
+    for start in range(0, len(tokens), CHECK_BLOCK):
+        block = tokens[start : start + CHECK_BLOCK]
+        crc = zlib.crc32(block, crc)
+        top = max(top, int(block.max()))
+    if crc32 is not None and crc != crc32:
+        raise DamagedShard(
+            f"{path} does not match its CRC32 checksum in {MANIFEST}: the file is damaged or was changed "
+            f"after pretokenize.py wrote it; restore it from a copy, or {RERUN}"
+        )
+    if top >= vocab_size:
+        raise DamagedShard(
+            f"{path} holds token id {top}, beyond the {vocab_size} ids of the tokenizer it was made with: "
+            f"the file is damaged; restore it from a copy, or {RERUN}"
+        )
+
+
+def file_stats(paths: list[Path]) -> str:
+    """The size and modification time of each file: what tells that files changed without reading them."""
+    stats = [(path, path.stat()) for path in paths]
+    return "\n".join(f"{path} {stat.st_size} {stat.st_mtime_ns}" for path, stat in stats)
 
 
 def is_pretokenized(folder: Path) -> bool:
@@ -111,6 +155,11 @@ def read_manifest(folder: Path, tokenizer_path: str | Path, vocab_size: int) -> 
                 f"{shard['num_tokens'] * itemsize} ({shard['num_tokens']} tokens of {manifest['dtype']}): "
                 f"the folder is damaged; {RERUN}"
             )
+    if any("crc32" not in shard for shard in manifest["shards"]):
+        logger.info(
+            f"{folder / MANIFEST} has no shard checksums (an older pretokenize.py): its shards are checked "
+            f"for token ids beyond the vocabulary only; {RERUN} to add them"
+        )
     return manifest
 
 
@@ -149,15 +198,27 @@ class WindowOrder:
 
 class TokenWindows:
     """The windows of `window` tokens cut from the concatenated shards of a pre-tokenized folder, read by
-    index from memory maps: window w is tokens ``[w * window, (w + 1) * window)``, the tail dropped."""
+    index from memory maps: window w is tokens ``[w * window, (w + 1) * window)``, the tail dropped. A
+    shard is checked (`check_shard`) the first time a window reads it."""
 
     def __init__(self, folder: Path, manifest: dict[str, Any], window: int):
         dtype = TOKEN_DTYPES[manifest["dtype"]]
         shards = [s for s in manifest["shards"] if s["num_tokens"] > 0]
-        self._tokens = [np.memmap(folder / s["tokens"], dtype=dtype, mode="r") for s in shards]
+        self._paths = [folder / s["tokens"] for s in shards]
+        self._tokens = [np.memmap(path, dtype=dtype, mode="r") for path in self._paths]
+        self._crc32 = [s.get("crc32") for s in shards]
+        self._vocab_size = manifest["tokenizer"]["vocab_size"]
+        self._unchecked = set(range(len(shards)))
         self._starts = np.cumsum([0] + [s["num_tokens"] for s in shards]).tolist()
+        self.num_tokens = self._starts[-1]
         self.window = window
-        self.num_windows = self._starts[-1] // window
+        self.num_windows = self.num_tokens // window
+
+    def contents(self) -> str:
+        """What identifies the shards' content: their CRC32s, else (an older manifest) their files' stats."""
+        if None in self._crc32:
+            return file_stats(self._paths)
+        return "\n".join(f"{path.name} {crc}" for path, crc in zip(self._paths, self._crc32))
 
     def read(self, w: int) -> np.ndarray:
         """Window w (it may span shards)."""
@@ -165,6 +226,9 @@ class TokenWindows:
         pieces = []
         shard = bisect_right(self._starts, start) - 1
         while start < end:
+            if shard in self._unchecked:
+                check_shard(self._paths[shard], self._tokens[shard], self._crc32[shard], self._vocab_size)
+                self._unchecked.discard(shard)
             offset = self._starts[shard]
             take = min(end, self._starts[shard + 1])
             pieces.append(self._tokens[shard][start - offset : take - offset])
@@ -265,14 +329,16 @@ def _write_shard(index: int, texts: list[str]) -> dict[str, Any]:
     docs = [np.array(encode(text, bos=True, eos=True), dtype=dtype) for text in texts]
     offsets = np.cumsum([0] + [len(d) for d in docs], dtype=np.int64)
     tokens_name, offsets_name = shard_names(index)
+    tokens = np.concatenate(docs or [np.empty(0, dtype)]).tobytes()
     # Written through Python's file rather than ndarray.tofile, whose failure drops the errno (a full disk)
-    (_worker["folder"] / tokens_name).write_bytes(np.concatenate(docs or [np.empty(0, dtype)]).tobytes())
+    (_worker["folder"] / tokens_name).write_bytes(tokens)
     np.save(_worker["folder"] / offsets_name, offsets)
     return {
         "tokens": tokens_name,
         "offsets": offsets_name,
         "num_tokens": int(offsets[-1]),
         "num_documents": len(docs),
+        "crc32": zlib.crc32(tokens),
     }
 
 
