@@ -182,12 +182,11 @@ class DataLoader(Stateful):
         # torch's worker processes, in index order (a private attribute: torch names a dead one by pid only).
         pids = [process.pid for process in parts._workers]
         _workers.update({process.pid: (w, process) for w, process in enumerate(parts._workers)})
+        # The workers take turns: part i of the stream, part i mod N of a micro-batch, is worker i mod N's.
         parts = self._on_time(
             parts, lambda i: f"data loading worker {i % len(pids)} (pid {pids[i % len(pids)]})"
         )
-        for (
-            first
-        ) in parts:  # workers take turns: part w of a micro-batch (part i) comes from worker w (i mod N)
+        for first in parts:
             shares = [first] + [next(parts) for _ in range(self.num_workers - 1)]
             self._state = [s[2] for s in shares]  # merged when asked for: rarely, not every batch
             yield self._join([s[0] for s in shares]), self._join([s[1] for s in shares])
