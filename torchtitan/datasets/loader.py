@@ -58,8 +58,9 @@ _DEAD_WORKER = re.compile(r"DataLoader worker \(pid(?:\(s\))? (\d+)")
 _workers: dict[int, tuple[int, BaseProcess]] = {}
 
 
-class _Expired(Exception):
-    """The data loader's timer went off (DataLoader._on_time)."""
+class _Expired(BaseException):
+    """The data loader's timer went off (DataLoader._on_time); not an Exception, so that no `except
+    Exception` on the way (a retrying reader, torch's fetch) takes it for an error of its own."""
 
 
 def _expire(signum: int, frame: Any) -> None:
