@@ -22,6 +22,7 @@ from test_data import all_equal, global_batches  # noqa: E402
 from torchtitan.datasets.build import build_data_loader as build_hf_data_loader  # noqa: E402
 from torchtitan.datasets.loader import DataLoader, _init_worker  # noqa: E402
 from torchtitan.datasets.text import TextDataset as HuggingFaceDataset  # noqa: E402
+from torchtitan.errors import DataLoaderError  # noqa: E402
 
 SEQ_LEN = 16
 KINDS = ["text", "streaming", "pretokenized", "mixture"]
@@ -145,6 +146,30 @@ def test_workers_ignore_preemption_signals_and_die_with_the_trainer(tmp_path):
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(pid), "the worker outlived its trainer"
+
+
+class _StallsAfterOneBatch:
+    """A dataset whose reading hangs after its first batch."""
+
+    def __iter__(self):
+        yield torch.zeros(1, 2), torch.zeros(1, 2)
+        time.sleep(60)
+
+
+def test_a_stalled_read_on_the_training_thread_times_out():
+    """With no workers the timeout interrupts the training thread's own read, in one line (exit code 6);
+    a stalled worker is tested end to end in test_reliability.py."""
+    batches = iter(DataLoader(_StallsAfterOneBatch(), 1, timeout=0.5))
+    next(batches)
+    start = time.monotonic()
+    with pytest.raises(DataLoaderError) as error:
+        next(batches)
+    assert 0.5 <= time.monotonic() - start < 5
+    assert str(error.value) == (
+        "the training thread's data loading (training.data_workers = 0) made no batch within "
+        "training.data_timeout_seconds = 0.5 s: it is stalled (stopped, or blocked reading its data); launch "
+        "again to resume from the last checkpoint"
+    )
 
 
 def test_a_loader_left_open_does_not_hold_up_the_exit():

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.utils import _wrap_exception
 
 from scripts import chaos
 from torchtitan.config_manager import CommConfig
-from torchtitan.errors import EXIT_PREEMPTED, comm_failure_message
+from torchtitan.errors import EXIT_DATA, EXIT_PREEMPTED, comm_failure_message
 from torchtitan.reliability.dump_lock import LOCK_NAME
 from torchtitan.reliability.guards import StopRequest
 from torchtitan.safe_dcp import read_checkpoint
@@ -171,6 +172,88 @@ def test_dead_launcher_stops_workers_like_preemption(reference, tmp_path):
     assert not (tmp_path / LOCK_NAME).exists()
     chaos.run_to_end(2, tmp_path, *NO_VALIDATION)
     chaos.compare(tmp_path, reference)
+
+
+def data_worker(launcher: int, rank: int) -> int:
+    """The pid of `rank`'s data loading worker (training.data_workers = 1) in the job of `launcher`: its
+    trainer's child running the same program (multiprocessing's resource tracker runs another)."""
+    (trainer,) = [
+        pid
+        for pid in children(launcher)
+        if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    ]
+    program = Path(f"/proc/{trainer}/cmdline").read_bytes()
+    (worker,) = [pid for pid in children(trainer) if Path(f"/proc/{pid}/cmdline").read_bytes() == program]
+    return worker
+
+
+@contextlib.contextmanager
+def launched(dump_folder: Path, *args: str) -> Iterator[subprocess.Popen]:
+    """run_llama_train.sh on 2 ranks with LOG_RANK=0 (its output in `{dump_folder}/launcher.log`); on
+    leaving, a job still running is woken and killed, its whole process tree."""
+    env = {**os.environ, "NGPU": "2", "LOG_RANK": "0", "OMP_NUM_THREADS": "1"}
+    job = [*chaos.JOB, *NO_VALIDATION, "--job.dump_folder", str(dump_folder), *args]
+    with subreaper(), open(dump_folder / "launcher.log", "w") as log:
+        launcher = subprocess.Popen(
+            [str(ROOT / "run_llama_train.sh"), *job], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+            yield launcher
+        finally:
+            tree = [launcher.pid, *descendants(launcher.pid)] if launcher.poll() is None else []
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                for pid in tree:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, sig)
+            launcher.wait(30)
+
+
+def test_dead_data_worker_ends_in_one_line_then_resumes_exactly(reference, tmp_path):
+    """SIGKILL of rank 1's data loading worker mid-training: the job stops at once with exit code 6 and
+    rank 1's one line, which the launcher shows though LOG_RANK hides rank 1; no traceback (rank 0, cut
+    off from rank 1, exits 4: the launcher reports the cause). The relaunch ends exactly like the
+    reference."""
+    with launched(tmp_path) as launcher:
+        wait_for(lambda: chaos.complete_checkpoints(tmp_path) == ["step-2"] or launcher.poll() is not None)
+        assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
+        worker = data_worker(launcher.pid, 1)
+        os.kill(worker, signal.SIGKILL)
+        code = launcher.wait(60)
+    out = (tmp_path / "launcher.log").read_text()
+    assert code == EXIT_DATA, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert (
+        f"[rank1]: error: rank 1: data loading worker 0 (pid {worker}) was killed by SIGKILL; launch again "
+        "to resume from the last checkpoint"
+    ) in out.splitlines(), out[-3000:]
+    assert chaos.last_step(out) < chaos.STEPS
+    chaos.run_to_end(2, tmp_path, *NO_VALIDATION)
+    chaos.compare(tmp_path, reference)
+
+
+def test_stalled_data_worker_times_out_in_one_line(tmp_path):
+    """SIGSTOP of rank 1's data loading worker (alive, stuck): after training.data_timeout_seconds rank 1,
+    not rank 0 left waiting for it in a collective, ends the job with exit code 6, and the launcher shows
+    its one line though LOG_RANK hides rank 1."""
+    timeout = 3
+    args = ["--training.data_timeout_seconds", str(timeout), "--training.steps", "1000"]
+    with launched(tmp_path, *args, "--checkpoint.enable_checkpoint", "false") as launcher:
+        wait_for(lambda: trained_steps(tmp_path) >= 1 or launcher.poll() is not None)
+        assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
+        worker = data_worker(launcher.pid, 1)
+        os.kill(worker, signal.SIGSTOP)
+        start = time.monotonic()
+        code = launcher.wait(60)
+        elapsed = time.monotonic() - start
+    out = (tmp_path / "launcher.log").read_text()
+    assert code == EXIT_DATA, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    assert (
+        f"[rank1]: error: rank 1: data loading worker 0 (pid {worker}) made no batch within "
+        f"training.data_timeout_seconds = {timeout} s: it is stalled (stopped, or blocked reading its data); "
+        "launch again to resume from the last checkpoint"
+    ) in out.splitlines(), out[-3000:]
+    assert timeout <= elapsed < chaos.COMM_TIMEOUT, out[-3000:]
 
 
 def test_relaunch_right_after_the_whole_job_is_killed(tmp_path):

@@ -109,6 +109,13 @@ class TrainingConfig:
         min=0,
     )
     data_prefetch: int = opt(2, "Batches each data worker prepares ahead", min=1)
+    data_timeout_seconds: int = opt(
+        60,
+        "Stop with exit code 6 when a data worker (with data_workers = 0: the training thread) makes no "
+        "batch for this long: it is stalled. Keep it below comm.train_timeout_seconds, so that the stalled "
+        "rank, not one left waiting for it, stops first and says why; 0: wait forever",
+        min=0,
+    )
     batch_size: int = opt(8, "Per-rank batch size (sequences)", min=1)
     seq_len: int = opt(2048, "Sequence length (tokens)", min=1)
     max_norm: float = opt(1.0, "Clip gradients to this global L2 norm; 0 disables clipping", min=0.0)

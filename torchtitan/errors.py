@@ -1,6 +1,8 @@
 """The exit codes every entry point shares (train.py, the launcher, the preflight, the scripts) and the
 one-line error contract: a failure the user can act on is one line on stderr and a code below, never
-a traceback; TITAN_DEBUG=1 (any value but 0) shows the traceback instead.
+a traceback; TITAN_DEBUG=1 (any value but 0) shows the traceback instead. Under torchrun that line is
+also written to the rank's error file (TORCHELASTIC_ERROR_FILE), where the launcher reads it to show the
+reason of a failed rank whose output LOG_RANK hides.
 
     0   training completed
     1   an unexpected error (its traceback is printed)
@@ -9,15 +11,19 @@ a traceback; TITAN_DEBUG=1 (any value but 0) shows the traceback instead.
     4   a collective failed or timed out: another rank died or hung
     5   a checkpoint could not be written (a full disk, a file-size limit, an I/O or permission error):
         its temporary folder is removed, the earlier checkpoints are intact; launch again to resume
+    6   the data loader failed: a data loading worker died, or made no batch within
+        training.data_timeout_seconds; launch again to resume from the last checkpoint
     75  preempted by SIGTERM or SIGUSR1, or the launcher died: stopped after a step and saved a checkpoint
         (if enabled); launch the same job again to resume (75 is EX_TEMPFAIL, "try again later")
 
 Importing this module does not import torch (the preflight and the launcher use it)."""
 
 import contextlib
+import json
 import os
 import re
 import sys
+import time
 from collections.abc import Callable, Iterator
 
 from torchtitan.config_manager import CommConfig, ConfigError
@@ -28,6 +34,7 @@ EXIT_BAD_INPUT = 2
 EXIT_NONFINITE = 3
 EXIT_COMM_FAILURE = 4
 EXIT_CHECKPOINT_WRITE = 5
+EXIT_DATA = 6
 EXIT_PREEMPTED = 75
 
 
@@ -42,6 +49,10 @@ class NonFiniteError(RuntimeError):
 
 class CheckpointWriteError(RuntimeError):
     """Writing a checkpoint failed for an OS error, named in the message (exit code 5)."""
+
+
+class DataLoaderError(RuntimeError):
+    """A data loading worker died or stalled, named in the message (exit code 6)."""
 
 
 def os_error_behind(error: BaseException) -> OSError | None:
@@ -131,8 +142,19 @@ def one_line_error(error: BaseException, rank: int, comm_config: CommConfig | No
         return EXIT_NONFINITE, str(error)
     if isinstance(error, CheckpointWriteError):
         return EXIT_CHECKPOINT_WRITE, str(error)
+    if isinstance(error, DataLoaderError):
+        return EXIT_DATA, f"rank {rank}: {error}"
     message = comm_failure_message(error, rank, comm_config) if comm_config is not None else None
     return (EXIT_COMM_FAILURE, message) if message else None
+
+
+def record_for_launcher(line: str) -> None:
+    """Write a failed rank's one line to its torchrun error file, in the format torchelastic reads into
+    the failure's message (ProcessFailure), so that the launcher can show it when LOG_RANK hides this
+    rank's output. Outside torchrun there is no such file."""
+    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            json.dump({"message": line, "timestamp": int(time.time())}, f)
 
 
 def run_with_exit_codes(
@@ -151,9 +173,12 @@ def run_with_exit_codes(
             raise
         code, message = known
         print(f"error: {message}", file=sys.stderr)
-        if code == EXIT_COMM_FAILURE:
+        record_for_launcher(f"error: {message}")
+        if code in (EXIT_COMM_FAILURE, EXIT_DATA):
             # A process group that lost a peer cannot be torn down: destroying it (or letting the
             # interpreter do so at exit) can abort the process and replace this exit code by SIGABRT.
+            # A stalled data worker cannot be joined: multiprocessing's exit handler would wait for it
+            # forever; the workers die with this process (loader.py, PR_SET_PDEATHSIG).
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)

@@ -53,6 +53,7 @@ def build_data_loader(
     prefetch: int = 2,
     pin_memory: bool = False,
     min_over_ranks: Callable[[int], int] | None = None,
+    timeout: float = 0,
 ) -> DataLoader:
     """One data-parallel rank's loader of ``(input_ids, labels)`` batches, both ``(batch_size, seq_len)``.
 
@@ -69,7 +70,8 @@ def build_data_loader(
     are then unused.
 
     `num_workers` processes make the batches, `prefetch` each ahead, in pinned memory with `pin_memory`
-    (loader.py); the loader's state is the same with or without them.
+    (loader.py), each stopping the job if it makes no batch for `timeout` seconds (0: no limit); the
+    loader's state is the same with or without them.
 
     `min_over_ranks` (the least of a number over the data-parallel ranks: an all-reduce) lets a finite pass
     of text data be counted from this rank's own streams (text.py); without it every rank tokenizes every
@@ -111,15 +113,15 @@ def build_data_loader(
             infinite,
             min_over_ranks,
         )
-    return DataLoader(dataset, batch_size, num_workers, prefetch, pin_memory)
+    return DataLoader(dataset, batch_size, num_workers, prefetch, pin_memory, timeout)
 
 
 def build_training_data_loader(
     training: TrainingConfig, tokenizer: TextTokenizer, layout: BatchLayout, vocab_size: int, pin_memory: bool
 ) -> DataLoader:
     """This rank's training data, as the `[training]` section says (its dataset, dataset_path or mixture,
-    seed, shuffle_windows, seq_len, data_workers and data_prefetch); a bad source is one line naming the
-    option (errors.py)."""
+    seed, shuffle_windows, seq_len, data_workers, data_prefetch and data_timeout_seconds); a bad source is
+    one line naming the option (errors.py)."""
     mixture = mixture_sources(training)
     option = "mixture" if mixture else "dataset_path" if training.dataset_path else "dataset"
     with bad_input(f"training.{option}"):
@@ -139,4 +141,5 @@ def build_training_data_loader(
             num_workers=training.data_workers,
             prefetch=training.data_prefetch,
             pin_memory=pin_memory,
+            timeout=training.data_timeout_seconds,
         )

@@ -7,18 +7,25 @@ part travels with its worker's state taken right after it was made; the loader j
 micro-batch and merges the N states. Its state is therefore that of the last micro-batch training took,
 never of the ones prefetched, and it has the same keys as without workers: a checkpoint resumes exactly,
 with or without workers, on any layout the dataset allows.
+
+A worker that dies, or makes no batch within the loader's timeout (`training.data_timeout_seconds`), ends
+the job in one line naming it and exit code 6 (errors.py); the relaunch resumes from the last checkpoint.
 """
 
 import atexit
+import contextlib
 import ctypes
 import functools
+import itertools
 import multiprocessing
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Iterator
+from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
@@ -27,6 +34,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from torchtitan.datasets.layout import Batch
 from torchtitan.datasets.mixture import MixtureDataset
+from torchtitan.errors import DataLoaderError
 
 
 class ShardableDataset(Protocol):
@@ -37,11 +45,46 @@ class ShardableDataset(Protocol):
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+T = TypeVar("T")
 
 # Set when the trainer's interpreter exits: from then on its workers obey SIGTERM, which multiprocessing's
 # own exit handler sends them (registered earlier, so it runs after this one).
 _trainer_exiting = multiprocessing.Event()
 atexit.register(_trainer_exiting.set)
+
+# torch's words for a dead worker, from its SIGCHLD handler or its check while awaiting a batch.
+_DEAD_WORKER = re.compile(r"DataLoader worker \(pid(?:\(s\))? (\d+)")
+# Every data worker started in this process, by pid, with its index: to name a dead one.
+_workers: dict[int, tuple[int, BaseProcess]] = {}
+
+
+class _Expired(BaseException):
+    """The data loader's timer went off (DataLoader._on_time); not an Exception, so that no `except
+    Exception` on the way (a retrying reader, torch's fetch) takes it for an error of its own."""
+
+
+def _expire(signum: int, frame: Any) -> None:
+    raise _Expired
+
+
+@contextlib.contextmanager
+def worker_failures_in_one_line() -> Iterator[None]:
+    """torch reports a dead worker by a RuntimeError raised wherever the trainer's main thread is (its
+    SIGCHLD handler runs there), not only while a batch is awaited: inside this context it becomes a
+    DataLoaderError naming the worker and how it died."""
+    try:
+        yield
+    except RuntimeError as e:
+        match = _DEAD_WORKER.search(str(e))
+        if match is None or int(match[1]) not in _workers:
+            raise
+        pid = int(match[1])
+        index, process = _workers[pid]
+        code = process.exitcode  # torch leaves it unreaped, or has reaped it through `process`
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        raise DataLoaderError(
+            f"data loading worker {index} (pid {pid}) {how}; launch again to resume from the last checkpoint"
+        ) from e
 
 
 def _init_worker(trainer_pid: int, trainer_exiting: Event, worker_id: int) -> None:
@@ -101,7 +144,8 @@ def _merge(states: list[dict[str, Any]]) -> dict[str, Any]:
 class DataLoader(Stateful):
     """`dataset`'s micro-batches, from `num_workers` processes (0: made on the calling thread), each
     preparing `prefetch` micro-batches ahead; `pin_memory` (CUDA) puts them in page-locked memory for
-    non-blocking copies. There are at most `batch_size` workers: each makes some rows of every batch."""
+    non-blocking copies. There are at most `batch_size` workers: each makes some rows of every batch. A
+    worker that makes no batch for `timeout` seconds (0: no limit) is reported as stalled."""
 
     def __init__(
         self,
@@ -110,16 +154,20 @@ class DataLoader(Stateful):
         num_workers: int = 0,
         prefetch: int = 2,
         pin_memory: bool = False,
+        timeout: float = 0,
     ):
         self.dataset = dataset
         self.num_workers = min(num_workers, batch_size)
         self.prefetch = prefetch
         self.pin_memory = pin_memory
+        self.timeout = timeout
         self._state: list[dict[str, Any]] | None = None  # the workers', after the last micro-batch taken
 
     def __iter__(self) -> Iterator[Batch]:
         if self.num_workers == 0:
-            yield from self.dataset
+            yield from self._on_time(
+                iter(self.dataset), lambda i: "the training thread's data loading (training.data_workers = 0)"
+            )
             return
         workers = TorchDataLoader(
             _WorkerShare(self.dataset, self.num_workers),
@@ -132,10 +180,42 @@ class DataLoader(Stateful):
             generator=torch.Generator(),
         )
         parts = iter(workers)
-        for first in parts:  # workers take turns: part w of a micro-batch comes from worker w
+        # torch's worker processes, in index order (a private attribute: torch names a dead one by pid only).
+        pids = [process.pid for process in parts._workers]
+        _workers.update({process.pid: (w, process) for w, process in enumerate(parts._workers)})
+        # The workers take turns: part i of the stream, part i mod N of a micro-batch, is worker i mod N's.
+        parts = self._on_time(
+            parts, lambda i: f"data loading worker {i % len(pids)} (pid {pids[i % len(pids)]})"
+        )
+        for first in parts:
             shares = [first] + [next(parts) for _ in range(self.num_workers - 1)]
             self._state = [s[2] for s in shares]  # merged when asked for: rarely, not every batch
             yield self._join([s[0] for s in shares]), self._join([s[1] for s in shares])
+
+    def _on_time(self, items: Iterator[T], maker: Callable[[int], str]) -> Iterator[T]:
+        """`items`, each within `timeout` seconds, else a DataLoaderError naming `maker(i)`, what makes
+        item i. A timer (SIGALRM, so on the main thread) interrupts whatever that thread waits on: torch's
+        own timeout covers its queue only, not receiving a batch's tensors, which needs their worker to run
+        (a stopped worker would hang it)."""
+        for i in itertools.count():
+            if self.timeout:
+                previous = signal.signal(signal.SIGALRM, _expire)
+                signal.setitimer(signal.ITIMER_REAL, self.timeout)
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+            except _Expired:
+                raise DataLoaderError(
+                    f"{maker(i)} made no batch within training.data_timeout_seconds = {self.timeout:g} s: "
+                    "it is stalled (stopped, or blocked reading its data); launch again to resume from the "
+                    "last checkpoint"
+                ) from None
+            finally:
+                if self.timeout:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+                    signal.signal(signal.SIGALRM, previous)
+            yield item
 
     def _join(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """Rows ``w, w + N, ...`` from part w."""

@@ -1,6 +1,6 @@
 """The shape every job entry point shares (train.py, scripts/evaluate.py): stop with the launcher,
 parse the options, run the preflight, hold the dump folder, run the job under the one-line error
-contract, tear the process group down."""
+contract (a dead data worker included), tear the process group down."""
 
 import ctypes
 import os
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from torchtitan.config_manager import JobConfig
 from torchtitan.config_parser import parse_args
-from torchtitan.datasets.loader import PR_SET_PDEATHSIG
+from torchtitan.datasets.loader import PR_SET_PDEATHSIG, worker_failures_in_one_line
 from torchtitan.errors import run_with_exit_codes
 from torchtitan.reliability.dump_lock import DumpFolderLock
 from torchtitan.reliability.launcher import LAUNCHER_PID_ENV
@@ -46,10 +46,11 @@ def run_job(
         nonlocal job_config
         job_config = parse_args(argv)
         check_job(job_config, int(os.environ.get("WORLD_SIZE", "1")))
-        if not owns_dump_folder or int(os.environ.get("RANK", "0")) != 0:
-            return main(job_config)
-        with DumpFolderLock(job_config.job.dump_folder):
-            return main(job_config)
+        with worker_failures_in_one_line():
+            if not owns_dump_folder or int(os.environ.get("RANK", "0")) != 0:
+                return main(job_config)
+            with DumpFolderLock(job_config.job.dump_folder):
+                return main(job_config)
 
     try:
         return run_with_exit_codes(parse_check_and_run, lambda: job_config and job_config.comm)

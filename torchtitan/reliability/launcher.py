@@ -9,7 +9,11 @@ It differs from plain torchrun in three ways:
 - it tells the workers its pid (LAUNCHER_PID_ENV), so that each one, however late it gets there, can
   have the kernel send it SIGTERM when the launcher dies, even of SIGKILL (entry.stop_with_launcher);
 - it exits with the code of the first rank that failed (torchrun exits 1) and says so in one line
-  instead of torchrun's ChildFailedError traceback; TITAN_DEBUG=1 shows that traceback again.
+  instead of torchrun's ChildFailedError traceback; TITAN_DEBUG=1 shows that traceback again. A rank
+  that failed with exit code 4 (a collective lost or waited for another rank) is reported only when
+  no rank failed otherwise: the other one is the cause. When LOG_RANK (--local-ranks-filter) hides
+  the reported rank's output, its one-line reason (from its error file, errors.record_for_launcher)
+  is shown as that rank would have shown it.
 """
 
 import contextlib
@@ -19,20 +23,32 @@ import os
 import signal
 import sys
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from torchtitan.errors import (
     EXIT_BAD_INPUT,
     EXIT_CHECKPOINT_WRITE,
     EXIT_COMM_FAILURE,
+    EXIT_DATA,
     EXIT_NONFINITE,
     EXIT_PREEMPTED,
     debug_enabled,
 )
 
+if TYPE_CHECKING:  # torch is imported when the launcher runs, not when it is imported
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 LAUNCHER_PID_ENV = "TITAN_LAUNCHER_PID"
 # Exit codes whose rank has printed its reason in one line already.
-EXPLAINED = {EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_COMM_FAILURE, EXIT_CHECKPOINT_WRITE, EXIT_PREEMPTED}
+EXPLAINED = {
+    EXIT_BAD_INPUT,
+    EXIT_NONFINITE,
+    EXIT_COMM_FAILURE,
+    EXIT_CHECKPOINT_WRITE,
+    EXIT_DATA,
+    EXIT_PREEMPTED,
+}
 
 
 def _children() -> list[int]:
@@ -59,6 +75,19 @@ def _unexplained(record: logging.LogRecord) -> bool:
     return not any(f"(exitcode: {code})" in record.getMessage() for code in EXPLAINED)
 
 
+def _cause(failures: dict[int, "ProcessFailure"]) -> tuple[int, "ProcessFailure"]:
+    """The failed rank to report: the first to fail, preferring any other exit code to 4, which only
+    says that a collective lost (or waited for) another rank. torchrun's timestamps are whole seconds,
+    so the rank left waiting often ties with the one that failed."""
+    rank = min(failures, key=lambda r: (failures[r].exitcode == EXIT_COMM_FAILURE, failures[r].timestamp, r))
+    return rank, failures[rank]
+
+
+def _shown(local_rank: int, local_ranks_filter: str) -> bool:
+    """Whether torchrun shows this local rank's output (--local-ranks-filter; empty: every rank)."""
+    return not local_ranks_filter or local_rank in {int(r) for r in local_ranks_filter.split(",")}
+
+
 def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -77,7 +106,7 @@ def main(argv: list[str]) -> int:
     except ChildFailedError as e:
         if debug_enabled():
             raise
-        rank, failure = e.get_first_failure()
+        rank, failure = _cause(e.failures)
         code = failure.exitcode
         if code < 0:
             print(f"error: rank {rank} was killed by {signal.Signals(-code).name}", file=sys.stderr)
@@ -86,6 +115,8 @@ def main(argv: list[str]) -> int:
             print(
                 f"error: rank {rank} failed with exit code {code}; its output above says why", file=sys.stderr
             )
+        elif not _shown(failure.local_rank, args.local_ranks_filter) and failure.message.startswith("error:"):
+            print(f"[rank{rank}]: {failure.message}", file=sys.stderr)  # as torchrun would have shown it
         return code
     except SignalException as e:
         print(f"launcher: stopped by {e.sigval.name}", file=sys.stderr)
