@@ -212,14 +212,18 @@ def loader_rate(batches, seconds: float) -> dict:
 
 def part_data(tmp: str, seconds: float = 5.0) -> dict:
     """Tokens/s of the loader alone, past its first batch (dataset loading)."""
-    from torchtitan.datasets.build import build_data_loader
+    from torchtitan.datasets.build import DataSource, build_dataset
+    from torchtitan.datasets.layout import BatchLayout
+    from torchtitan.datasets.loader import DataLoader
     from torchtitan.datasets.tokenizer import build_tokenizer
 
     job_config = parse_args(TRAIN_ARGS)
     t = job_config.training
     tokenizer = build_tokenizer(ROOT / job_config.model.tokenizer_path)
-    loader = build_data_loader(t.dataset, t.dataset_path, tokenizer, t.batch_size, t.seq_len, 1, 0)
-    batches = iter(loader)
+    dataset = build_dataset(
+        DataSource(t.dataset, t.dataset_path), tokenizer, t.seq_len, BatchLayout(t.batch_size)
+    )
+    batches = iter(DataLoader(dataset, t.batch_size))
     next(batches)
     return loader_rate(batches, seconds)
 
@@ -227,7 +231,9 @@ def part_data(tmp: str, seconds: float = 5.0) -> dict:
 def part_data_sharding(tmp: str, steps: int = 200, seconds: float = 3.0) -> dict:
     """Rank 0's loader at simulated DP degrees (its loader only; the other ranks' are not built): tokens
     tokenized per token yielded over its first `steps` batches, then its tokens/s."""
-    from torchtitan.datasets.build import build_data_loader
+    from torchtitan.datasets.build import DataSource, build_dataset
+    from torchtitan.datasets.layout import BatchLayout
+    from torchtitan.datasets.loader import DataLoader
     from torchtitan.datasets.tokenizer import build_tokenizer
 
     job_config = parse_args(TRAIN_ARGS)
@@ -245,8 +251,9 @@ def part_data_sharding(tmp: str, steps: int = 200, seconds: float = 3.0) -> dict
     result = {}
     for dp in (1, 8, 64):
         counting = Counting()
-        loader = build_data_loader(t.dataset, t.dataset_path, counting, t.batch_size, t.seq_len, dp, 0)
-        batches = iter(loader)
+        layout = BatchLayout(t.batch_size, dp, 0)
+        dataset = build_dataset(DataSource(t.dataset, t.dataset_path), counting, t.seq_len, layout)
+        batches = iter(DataLoader(dataset, t.batch_size))
         trained = sum(next(batches)[0].numel() for _ in range(steps))
         result[dp] = {"tokenized_per_trained": counting.count / trained, **loader_rate(batches, seconds)}
     return result
@@ -285,7 +292,9 @@ def part_pretokenized(tmp: str, seconds: float = 3.0) -> dict:
     worker processes dominates) with 1 and 2 workers, 1,024 documents per shard (tokens/s, wall time: the
     workers are other processes), then the tokens/s of rank 0's memory-mapped loader at simulated DP 8,
     in order and shuffled."""
-    from torchtitan.datasets.build import build_data_loader
+    from torchtitan.datasets.build import DataSource, build_dataset
+    from torchtitan.datasets.layout import BatchLayout
+    from torchtitan.datasets.loader import DataLoader
     from torchtitan.datasets.pretokenized import pretokenize
     from torchtitan.datasets.sources import load_text_dataset
     from torchtitan.datasets.tokenizer import build_tokenizer
@@ -303,10 +312,9 @@ def part_pretokenized(tmp: str, seconds: float = 3.0) -> dict:
         manifest = pretokenize(texts, path, tokenizer.n_words, output, workers, {"dataset": t.dataset})
         result[f"pretokenize_{workers}"] = manifest["num_tokens"] / (time.perf_counter() - start)
     for order, shuffle in (("in_order", False), ("shuffled", True)):
-        loader = build_data_loader(
-            t.dataset, str(output), tokenizer, t.batch_size, t.seq_len, 8, 0, shuffle=shuffle
-        )
-        batches = iter(loader)
+        source = DataSource(t.dataset, str(output), shuffle=shuffle)
+        dataset = build_dataset(source, tokenizer, t.seq_len, BatchLayout(t.batch_size, 8, 0))
+        batches = iter(DataLoader(dataset, t.batch_size))
         next(batches)
         result[order] = loader_rate(batches, seconds)
     return result

@@ -14,7 +14,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from torchtitan.datasets.build import build_data_loader as build_hf_data_loader  # noqa: E402
+from torchtitan.datasets.build import DataSource, build_dataset  # noqa: E402
+from torchtitan.datasets.layout import BatchLayout  # noqa: E402
 from torchtitan.datasets.loader import DataLoader  # noqa: E402
 from torchtitan.datasets.sources import load_text_dataset  # noqa: E402
 from torchtitan.datasets.text import TextDataset as HuggingFaceDataset  # noqa: E402
@@ -35,15 +36,24 @@ def docs_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def loaders(tok, layout: tuple[int, ...], dataset="kjv", path=None, seq_len=SEQ_LEN, **kwargs):
-    """One loader per rank of a (dp_world_size, batch_size[, grad_accum_steps]) layout."""
+def rank_loaders(
+    tok, source: DataSource, layout: tuple[int, ...], seq_len: int, num_workers: int = 0, **kwargs
+) -> list[DataLoader]:
+    """One loader of `source` per rank of a (dp_world_size, batch_size[, grad_accum_steps]) layout."""
     world, batch, accum = (*layout, 1)[:3]
     return [
-        build_hf_data_loader(
-            dataset, path, tok, batch, seq_len, world, rank, grad_accum_steps=accum, **kwargs
+        DataLoader(
+            build_dataset(source, tok, seq_len, BatchLayout(batch, world, rank, accum), **kwargs),
+            batch,
+            num_workers,
         )
         for rank in range(world)
     ]
+
+
+def loaders(tok, layout: tuple[int, ...], dataset="kjv", path=None, seq_len=SEQ_LEN, **kwargs):
+    """One loader per rank of a (dp_world_size, batch_size[, grad_accum_steps]) layout."""
+    return rank_loaders(tok, DataSource(dataset, path), layout, seq_len, **kwargs)
 
 
 def docs_loaders(tok, layout: tuple[int, ...], docs_file: Path, streaming: bool, **kwargs):

@@ -15,7 +15,9 @@ from test_convert import random_model
 
 from scripts import convert_dcp_to_hf, convert_hf_to_dcp
 from torchtitan.config_parser import parse_args
-from torchtitan.datasets.build import build_data_loader as build_hf_data_loader
+from torchtitan.datasets.build import DataSource, build_dataset
+from torchtitan.datasets.layout import BatchLayout
+from torchtitan.datasets.loader import DataLoader
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.models import build_model_args
 
@@ -38,9 +40,8 @@ def transformers_loss(hf_folder, tokenizer) -> float:
     """The mean of transformers' loss over the first two validation batches (2 windows of 65 tokens)."""
     transformers = pytest.importorskip("transformers")
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32).eval()
-    loader = build_hf_data_loader(
-        "kjv_validation", None, tokenizer, 2, 64, 1, 0, infinite=False, split="validation"
-    )
+    source = DataSource("kjv_validation", split="validation")
+    loader = DataLoader(build_dataset(source, tokenizer, 64, BatchLayout(2), infinite=False), 2)
     losses = []
     with torch.no_grad():
         for (inputs, labels), _ in zip(loader, range(2)):

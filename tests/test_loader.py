@@ -17,9 +17,9 @@ import datasets  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from launch import ROOT  # noqa: E402
-from test_data import all_equal, global_batches  # noqa: E402
+from test_data import all_equal, global_batches, rank_loaders  # noqa: E402
 
-from torchtitan.datasets.build import build_data_loader as build_hf_data_loader  # noqa: E402
+from torchtitan.datasets.build import DataSource  # noqa: E402
 from torchtitan.datasets.loader import DataLoader, _init_worker  # noqa: E402
 from torchtitan.datasets.text import TextDataset as HuggingFaceDataset  # noqa: E402
 from torchtitan.errors import DataLoaderError  # noqa: E402
@@ -33,21 +33,16 @@ pytestmark = pytest.mark.usefixtures("hf_cache")
 def kind_loaders(tok, kind: str, text_and_tokens, layout, num_workers: int) -> list[DataLoader]:
     text, tokens = text_and_tokens
     world, batch, accum = (*layout, 1)[:3]
-    out = []
-    for rank in range(world):
-        if kind == "streaming":
+    if kind == "streaming":
+        out = []
+        for rank in range(world):
             ds = datasets.load_dataset("json", data_files=str(text), split="train", streaming=True)
             dataset = HuggingFaceDataset("text", ds, tok, SEQ_LEN, batch, world, rank, accum)
             out.append(DataLoader(dataset, batch, num_workers))
-            continue
-        path = {"text": str(text), "pretokenized": str(tokens), "mixture": None}[kind]
-        mixture = [(str(text), 1.0), (str(tokens), 1.0), ("kjv", 1.0)] if kind == "mixture" else None
-        out.append(
-            build_hf_data_loader(
-                "kjv", path, tok, batch, SEQ_LEN, world, rank, accum, mixture=mixture, num_workers=num_workers
-            )
-        )
-    return out
+        return out
+    path = {"text": str(text), "pretokenized": str(tokens), "mixture": None}[kind]
+    mixture = [(str(text), 1.0), (str(tokens), 1.0), ("kjv", 1.0)] if kind == "mixture" else []
+    return rank_loaders(tok, DataSource("kjv", path, mixture), layout, SEQ_LEN, num_workers)
 
 
 def flat(state: dict, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -178,9 +173,11 @@ def test_a_loader_left_open_does_not_hold_up_the_exit():
     script = (
         "import sys; sys.path.insert(0, '.')\n"
         "from torchtitan.datasets.tokenizer import Tokenizer\n"
-        "from torchtitan.datasets.build import build_data_loader as build_hf_data_loader\n"
+        "from torchtitan.datasets.build import DataSource, build_dataset\n"
+        "from torchtitan.datasets.layout import BatchLayout\n"
+        "from torchtitan.datasets.loader import DataLoader\n"
         "tok = Tokenizer('assets/tokenizer/kjv_bpe.tiktoken')\n"
-        "batches = iter(build_hf_data_loader('kjv', None, tok, 2, 16, 1, 0, num_workers=2))\n"
+        "batches = iter(DataLoader(build_dataset(DataSource('kjv'), tok, 16, BatchLayout(2)), 2, 2))\n"
         "next(batches)\n"
     )
     result = subprocess.run(

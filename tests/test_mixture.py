@@ -17,11 +17,11 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from conftest import TEXT_DOCS, TOKEN_DOCS
 from launch import TINY_JOB, read_metrics, run_train_in_process  # noqa: E402
-from test_data import all_equal, global_batches, reference_batches, token_stream  # noqa: E402
+from test_data import all_equal, global_batches, rank_loaders, reference_batches, token_stream  # noqa: E402
 
 from torchtitan.config_manager import ConfigError, TrainingConfig  # noqa: E402
 from torchtitan.config_rules import mixture_sources  # noqa: E402
-from torchtitan.datasets.build import build_data_loader as build_hf_data_loader  # noqa: E402
+from torchtitan.datasets.build import DataSource  # noqa: E402
 from torchtitan.datasets.layout import micro_batch_rows  # noqa: E402
 from torchtitan.datasets.loader import DataLoader  # noqa: E402
 from torchtitan.datasets.mixture import (  # noqa: E402
@@ -40,12 +40,8 @@ LAYOUTS = [(1, 4), (2, 2), (4, 1), (1, 2, 2), (2, 1, 2)]  # (ranks, batch, micro
 pytestmark = pytest.mark.usefixtures("hf_cache")
 
 
-def mixture_loaders(tok, layout, mixture, **kwargs) -> list[DataLoader]:
-    world, batch, accum = (*layout, 1)[:3]
-    return [
-        build_hf_data_loader("kjv", None, tok, batch, SEQ_LEN, world, rank, accum, mixture=mixture, **kwargs)
-        for rank in range(world)
-    ]
+def mixture_loaders(tok, layout, mixture) -> list[DataLoader]:
+    return rank_loaders(tok, DataSource("kjv", mixture=mixture), layout, SEQ_LEN)
 
 
 def streaming_mixture_loaders(tok, layout, text: Path, tokens: Path) -> list[DataLoader]:

@@ -20,9 +20,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from launch import TINY_JOB, losses, read_records, run_train_in_process  # noqa: E402
-from test_data import global_batches  # noqa: E402
+from test_data import global_batches, rank_loaders  # noqa: E402
 
-from torchtitan.datasets.build import build_data_loader as build_hf_data_loader  # noqa: E402
+from torchtitan.datasets.build import DataSource  # noqa: E402
 from torchtitan.datasets.pretokenized import WindowOrder  # noqa: E402
 from torchtitan.datasets.tokenizer import Tokenizer  # noqa: E402
 
@@ -59,12 +59,9 @@ def stream(tok) -> list[int]:
     return [t for d in DOCS for t in tok.encode(d, bos=True, eos=True)]
 
 
-def loaders(tok, folder: Path, layout: tuple[int, ...], **kwargs):
-    world, batch, accum = (*layout, 1)[:3]
-    return [
-        build_hf_data_loader("docs", str(folder), tok, batch, SEQ_LEN, world, rank, accum, **kwargs)
-        for rank in range(world)
-    ]
+def loaders(tok, folder: Path, layout: tuple[int, ...], seed=0, shuffle=False, infinite=True):
+    source = DataSource("docs", str(folder), seed=seed, shuffle=shuffle)
+    return rank_loaders(tok, source, layout, SEQ_LEN, infinite=infinite)
 
 
 def reference(tok, first: int, count: int, order=lambda i: i) -> torch.Tensor:

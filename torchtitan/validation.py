@@ -14,7 +14,9 @@ import time
 from dataclasses import dataclass
 
 from torchtitan.config_manager import ConfigError, JobConfig
-from torchtitan.datasets.build import build_data_loader
+from torchtitan.datasets.build import DataSource, build_dataset
+from torchtitan.datasets.layout import BatchLayout
+from torchtitan.datasets.loader import DataLoader
 from torchtitan.datasets.tokenizer import AnyTokenizer
 from torchtitan.distributed import dist_min, global_mean_loss
 from torchtitan.errors import bad_input
@@ -55,20 +57,18 @@ class Validator:
         self.tokens_per_batch = batch_size * dp_degree * job_config.training.seq_len
         option = "validation.dataset_path" if validation.dataset_path else "validation.dataset"
         with bad_input(option):
-            self.loader = build_data_loader(
-                validation.dataset,
-                validation.dataset_path,
+            source = DataSource(validation.dataset, validation.dataset_path, split="validation")
+            dataset = build_dataset(
+                source,
                 tokenizer,
-                batch_size=batch_size,
-                seq_len=job_config.training.seq_len,
-                dp_world_size=dp_degree,
-                dp_rank=dp_rank,
+                job_config.training.seq_len,
+                BatchLayout(batch_size, dp_degree, dp_rank),
+                vocab_size(job_config.model, tokenizer.n_words),
                 infinite=False,
-                split="validation",
-                vocab_size=vocab_size(job_config.model, tokenizer.n_words),
                 # Where a pass ends is counted once, each rank tokenizing its own streams only.
                 min_over_ranks=functools.partial(dist_min, mesh=meshes.dp),
             )
+            self.loader = DataLoader(dataset, batch_size)
             self.start = self.loader.state_dict()
             if next(iter(self.loader), None) is None:
                 raise ConfigError(
