@@ -5,8 +5,8 @@
 
 Reads the dataset as train.py would (`training.dataset` / `training.dataset_path`, any source the trainer
 accepts) and encodes it with `model.tokenizer_path`, every document framed by BOS (if the tokenizer has
-one) and EOS; manifest.json records each shard's CRC32, which training checks when it first reads the
-shard. Then train with `--training.dataset_path DIR` (or `--validation.dataset_path DIR` for a
+one) and EOS; each shard gets a CRC32 per block of tokens, which training checks when it first reads the
+block. Then train with `--training.dataset_path DIR` (or `--validation.dataset_path DIR` for a
 `--split validation` output).
 DIR must not exist; it appears only once complete (it is written as DIR.tmp-PID, removed on any failure;
 one a killed run left is removed by the next run on DIR). Exit codes and one-line errors are train.py's: a

@@ -9,6 +9,7 @@ import runpy
 import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -23,7 +24,7 @@ from launch import TINY_JOB, losses, read_records, run_train_in_process  # noqa:
 from test_data import global_batches, rank_loaders  # noqa: E402
 
 from torchtitan.datasets.build import DataSource  # noqa: E402
-from torchtitan.datasets.pretokenized import WindowOrder  # noqa: E402
+from torchtitan.datasets.pretokenized import DamagedShard, TokenWindows, WindowOrder  # noqa: E402
 from torchtitan.datasets.tokenizer import Tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -319,16 +320,17 @@ def set_token(folder: Path, value: int, old_manifest: bool = False) -> None:
     path.write_bytes(tokens.tobytes())
     if old_manifest:
         manifest = json.loads((folder / "manifest.json").read_text())
+        del manifest["checksum_tokens"]
         for shard in manifest["shards"]:
-            del shard["crc32"]
+            del shard["crc32"], shard["checksums"]
         (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
 @pytest.mark.parametrize(
     "value, old_manifest, workers, message",
     [
-        (5, False, 1, "does not match its CRC32 checksum in manifest.json"),
-        (65535, False, 0, "does not match its CRC32 checksum in manifest.json"),
+        (5, False, 1, "does not match its CRC32 checksum (block 0, tokens 0 to "),
+        (65535, False, 0, "does not match its CRC32 checksum (block 0, tokens 0 to "),
         (65535, True, 0, "holds token id 65535, beyond the 2256 ids of the tokenizer it was made with"),
     ],
     ids=[
@@ -362,3 +364,29 @@ def test_damaged_shard_is_one_line(folder, tmp_path, capsys, value, old_manifest
     assert errors[0].endswith("restore it from a copy, or re-run scripts/pretokenize.py")
     assert ("has no shard checksums (an older pretokenize.py)" in out + err) == old_manifest
     assert not (tmp_path / "dump" / "checkpoint").exists()
+
+
+def test_a_rank_checks_only_the_blocks_it_reads(folder, tmp_path):
+    """Checksums cover blocks of the manifest's `checksum_tokens` (16 here), checked when first read: a
+    damaged block stops only a read that touches it, so a rank reads at most the blocks around its own
+    windows once more, never the whole dataset (whole-shard checks would fail at window 0)."""
+    data = tmp_path / "data"
+    shutil.copytree(folder, data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["checksum_tokens"] = 16
+    for shard in manifest["shards"]:
+        tokens = np.fromfile(data / shard["tokens"], dtype=np.uint16)
+        crcs = [zlib.crc32(tokens[i : i + 16]) for i in range(0, len(tokens), 16)]
+        np.save(data / shard["checksums"], np.array(crcs, dtype=np.uint32))
+    path = data / "shard-00000.bin"
+    tokens = np.fromfile(path, dtype=np.uint16)
+    tokens[5 * 16 + 3] ^= 1  # block 5 of shard 0: tokens 80 to 95
+    path.write_bytes(tokens.tobytes())
+    windows = TokenWindows(data, manifest, WINDOW)
+    later = manifest["shards"][0]["num_tokens"] // WINDOW + 1  # a window of shard 1
+    for w in [*range(8), later]:  # tokens 0 to 71, and shard 1
+        windows.read(w)
+    with pytest.raises(
+        DamagedShard, match=r"shard-00000.bin does not match its CRC32 checksum \(block 5, tokens 80 to 95\)"
+    ):
+        windows.read(8)  # tokens 72 to 80

@@ -3,10 +3,11 @@
 A pre-tokenized folder holds ``manifest.json`` and, per shard, ``shard-NNNNN.bin`` (the tokens of a
 contiguous range of documents, each framed by BOS, if the tokenizer has one, and EOS as the on-the-fly
 loader encodes it; uint16 when the vocabulary fits, else uint32) and ``shard-NNNNN.offsets.npy`` (int64:
-where each document starts, then the shard's length); the manifest holds each shard's CRC32, checked with
-its largest token id when a rank first reads the shard (`check_shard`). Training cuts windows of
-``seq_len + 1`` tokens from the concatenation of all shards: window w is tokens
-``[w * (seq_len + 1), (w + 1) * (seq_len + 1))``, the partial tail dropped.
+where each document starts, then the shard's length) and ``shard-NNNNN.crc32.npy`` (uint32: the CRC32 of
+each block of CHECK_TOKENS tokens, which a rank checks, with the block's largest token id, the first time it
+reads from the block: `TokenWindows`). Training cuts windows of ``seq_len + 1`` tokens from the
+concatenation of all shards: window w is tokens ``[w * (seq_len + 1), (w + 1) * (seq_len + 1))``, the
+partial tail dropped.
 
 Global row j of optimizer step k (S sequences per step) reads window ``order(k * S + j)`` of the epoch,
 ``order`` being the identity or, with ``training.shuffle_windows``, a seeded bijection of the windows that
@@ -44,12 +45,18 @@ MANIFEST = "manifest.json"
 SHARD_SUFFIX = ".bin"
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 RERUN = "re-run scripts/pretokenize.py"
-CHECK_BLOCK = 1 << 24  # tokens read at a time when a shard is checked
+# Tokens per checksum block. A rank checks the blocks it reads, not whole shards: with windows spread over
+# the ranks (every rank reads from every shard) whole-shard checks would make each rank read the dataset.
+CHECK_TOKENS = 1 << 13
 
 
-def shard_names(index: int) -> tuple[str, str]:
-    """The token and offset file names of shard `index`."""
-    return f"shard-{index:05d}{SHARD_SUFFIX}", f"shard-{index:05d}.offsets.npy"
+def shard_names(index: int) -> tuple[str, str, str]:
+    """The token, offset and checksum file names of shard `index`."""
+    return (
+        f"shard-{index:05d}{SHARD_SUFFIX}",
+        f"shard-{index:05d}.offsets.npy",
+        f"shard-{index:05d}.crc32.npy",
+    )
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -65,9 +72,9 @@ def file_sha256(path: str | Path) -> str:
 
 
 class DamagedShard(ConfigError):
-    """A shard that fails its check when first opened (exit code 2). Raised in a data-loading worker, it is
-    raised again in the trainer by torch's DataLoader as DamagedShard("Caught DamagedShard in DataLoader
-    worker process N. Original Traceback ...: <message>"): keep the one line the contract wants."""
+    """A shard whose block fails its check when first read (exit code 2). Raised in a data-loading worker,
+    it is raised again in the trainer by torch's DataLoader as DamagedShard("Caught DamagedShard in
+    DataLoader worker process N. Original Traceback ...: <message>"): keep the one line the contract wants."""
 
     def __init__(self, message: str):
         if message.startswith(f"Caught {type(self).__name__} "):
@@ -75,26 +82,10 @@ class DamagedShard(ConfigError):
         super().__init__(message)
 
 
-def check_shard(path: Path, tokens: np.ndarray, crc32: int | None, vocab_size: int) -> None:
-    """One pass over a shard's tokens: their CRC32 against the manifest's (`crc32`; None for a manifest
-    of an older pretokenize.py) and their largest id against the vocabulary, as an id beyond it would
-    index past the embedding table. Done when a rank first reads the shard, not for the whole folder at
-    start: datasets run to terabytes."""
-    crc, top = 0, 0
-    for start in range(0, len(tokens), CHECK_BLOCK):
-        block = tokens[start : start + CHECK_BLOCK]
-        crc = zlib.crc32(block, crc)
-        top = max(top, int(block.max()))
-    if crc32 is not None and crc != crc32:
-        raise DamagedShard(
-            f"{path} does not match its CRC32 checksum in {MANIFEST}: the file is damaged or was changed "
-            f"after pretokenize.py wrote it; restore it from a copy, or {RERUN}"
-        )
-    if top >= vocab_size:
-        raise DamagedShard(
-            f"{path} holds token id {top}, beyond the {vocab_size} ids of the tokenizer it was made with: "
-            f"the file is damaged; restore it from a copy, or {RERUN}"
-        )
+def block_checksums(tokens: np.ndarray) -> np.ndarray:
+    """The CRC32 of each block of CHECK_TOKENS tokens (the last one shorter)."""
+    crcs = [zlib.crc32(tokens[i : i + CHECK_TOKENS]) for i in range(0, len(tokens), CHECK_TOKENS)]
+    return np.array(crcs, dtype=np.uint32)
 
 
 def file_stats(paths: list[Path]) -> str:
@@ -155,7 +146,7 @@ def read_manifest(folder: Path, tokenizer_path: str | Path, vocab_size: int) -> 
                 f"{shard['num_tokens'] * itemsize} ({shard['num_tokens']} tokens of {manifest['dtype']}): "
                 f"the folder is damaged; {RERUN}"
             )
-    if any("crc32" not in shard for shard in manifest["shards"]):
+    if any("checksums" not in shard for shard in manifest["shards"]):
         logger.info(
             f"{folder / MANIFEST} has no shard checksums (an older pretokenize.py): its shards are checked "
             f"for token ids beyond the vocabulary only; {RERUN} to add them"
@@ -198,8 +189,13 @@ class WindowOrder:
 
 class TokenWindows:
     """The windows of `window` tokens cut from the concatenated shards of a pre-tokenized folder, read by
-    index from memory maps: window w is tokens ``[w * window, (w + 1) * window)``, the tail dropped. A
-    shard is checked (`check_shard`) the first time a window reads it."""
+    index from memory maps: window w is tokens ``[w * window, (w + 1) * window)``, the tail dropped.
+
+    The first read from a block of tokens (the manifest's `checksum_tokens`) checks the block: its CRC32
+    against the shard's checksum file (a flipped byte, a file changed after pretokenize.py wrote it) and its
+    largest id against the tokenizer's vocabulary (an IndexError in the embedding otherwise). A rank thus
+    reads, at most, the blocks around its own windows once more, never the whole dataset; a manifest of an
+    older pretokenize.py (no checksum files) gets the id check only."""
 
     def __init__(self, folder: Path, manifest: dict[str, Any], window: int):
         dtype = TOKEN_DTYPES[manifest["dtype"]]
@@ -207,8 +203,13 @@ class TokenWindows:
         self._paths = [folder / s["tokens"] for s in shards]
         self._tokens = [np.memmap(path, dtype=dtype, mode="r") for path in self._paths]
         self._crc32 = [s.get("crc32") for s in shards]
+        self._checksum_paths = [folder / s["checksums"] if "checksums" in s else None for s in shards]
         self._vocab_size = manifest["tokenizer"]["vocab_size"]
-        self._unchecked = set(range(len(shards)))
+        self._block = manifest.get("checksum_tokens", CHECK_TOKENS)
+        # Per shard, read when it is first read from: its blocks' CRC32s (None: no checksum file) and which
+        # blocks were checked.
+        self._checksums: dict[int, np.ndarray | None] = {}
+        self._checked: dict[int, np.ndarray] = {}
         self._starts = np.cumsum([0] + [s["num_tokens"] for s in shards]).tolist()
         self.num_tokens = self._starts[-1]
         self.window = window
@@ -226,14 +227,59 @@ class TokenWindows:
         pieces = []
         shard = bisect_right(self._starts, start) - 1
         while start < end:
-            if shard in self._unchecked:
-                check_shard(self._paths[shard], self._tokens[shard], self._crc32[shard], self._vocab_size)
-                self._unchecked.discard(shard)
             offset = self._starts[shard]
             take = min(end, self._starts[shard + 1])
+            self._check(shard, start - offset, take - offset)
             pieces.append(self._tokens[shard][start - offset : take - offset])
             start, shard = take, shard + 1
         return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def _check(self, shard: int, lo: int, hi: int) -> None:
+        """Check the blocks of tokens ``[lo, hi)`` of `shard` not checked yet."""
+        checked = self._checked.get(shard)
+        if checked is None:
+            checked = self._open(shard)
+        for block in range(lo // self._block, (hi - 1) // self._block + 1):
+            if checked[block]:
+                continue
+            first = block * self._block
+            tokens = self._tokens[shard][first : first + self._block]
+            expected = self._checksums[shard]
+            path = self._paths[shard]
+            if expected is not None and zlib.crc32(tokens) != expected[block]:
+                raise DamagedShard(
+                    f"{path} does not match its CRC32 checksum (block {block}, tokens {first} to "
+                    f"{first + len(tokens) - 1}): the file is damaged or was changed after pretokenize.py "
+                    f"wrote it; restore it from a copy, or {RERUN}"
+                )
+            top = int(tokens.max())
+            if top >= self._vocab_size:
+                raise DamagedShard(
+                    f"{path} holds token id {top}, beyond the {self._vocab_size} ids of the tokenizer it was "
+                    f"made with: the file is damaged; restore it from a copy, or {RERUN}"
+                )
+            checked[block] = True
+
+    def _open(self, shard: int) -> np.ndarray:
+        """Read `shard`'s checksum file (one CRC32 per block); the blocks checked so far: none."""
+        blocks = -(-len(self._tokens[shard]) // self._block)
+        path = self._checksum_paths[shard]
+        checksums = None
+        if path is not None:
+            try:
+                checksums = np.load(path)
+            except (OSError, ValueError) as e:
+                raise DamagedShard(
+                    f"{path} cannot be read ({e}): restore it from a copy, or {RERUN}"
+                ) from None
+            if checksums.shape != (blocks,) or checksums.dtype != np.uint32:
+                raise DamagedShard(
+                    f"{path} holds {checksums.shape} {checksums.dtype} checksums, not the {blocks} uint32 of "
+                    f"{self._paths[shard].name}'s blocks: restore it from a copy, or {RERUN}"
+                )
+        self._checksums[shard] = checksums
+        self._checked[shard] = np.zeros(blocks, dtype=bool)
+        return self._checked[shard]
 
 
 class PretokenizedDataset(IterableDataset, Stateful):
@@ -328,17 +374,19 @@ def _write_shard(index: int, texts: list[str]) -> dict[str, Any]:
     encode, dtype = _worker["tokenizer"].encode, _worker["dtype"]
     docs = [np.array(encode(text, bos=True, eos=True), dtype=dtype) for text in texts]
     offsets = np.cumsum([0] + [len(d) for d in docs], dtype=np.int64)
-    tokens_name, offsets_name = shard_names(index)
-    tokens = np.concatenate(docs or [np.empty(0, dtype)]).tobytes()
+    tokens_name, offsets_name, checksums_name = shard_names(index)
+    tokens = np.concatenate(docs or [np.empty(0, dtype)])
     # Written through Python's file rather than ndarray.tofile, whose failure drops the errno (a full disk)
-    (_worker["folder"] / tokens_name).write_bytes(tokens)
+    (_worker["folder"] / tokens_name).write_bytes(tokens.tobytes())
     np.save(_worker["folder"] / offsets_name, offsets)
+    np.save(_worker["folder"] / checksums_name, block_checksums(tokens))
     return {
         "tokens": tokens_name,
         "offsets": offsets_name,
+        "checksums": checksums_name,
         "num_tokens": int(offsets[-1]),
         "num_documents": len(docs),
-        "crc32": zlib.crc32(tokens),
+        "crc32": zlib.crc32(tokens),  # the whole shard's: what a mixture's checkpoint fingerprints
     }
 
 
@@ -389,6 +437,7 @@ def pretokenize(
                 "vocab_size": vocab_size,
             },
             "dtype": dtype,
+            "checksum_tokens": CHECK_TOKENS,
             "source": source,
             "num_documents": sum(s["num_documents"] for s in shards),
             "num_tokens": sum(s["num_tokens"] for s in shards),
