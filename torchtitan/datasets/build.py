@@ -9,9 +9,15 @@ from torchtitan.config_rules import mixture_sources
 from torchtitan.datasets.layout import BatchLayout
 from torchtitan.datasets.loader import DataLoader
 from torchtitan.datasets.mixture import MixtureDataset, PretokenizedSource, Source, TextSource
-from torchtitan.datasets.pretokenized import PretokenizedDataset, TokenWindows, is_pretokenized, read_manifest
+from torchtitan.datasets.pretokenized import (
+    PretokenizedDataset,
+    TokenWindows,
+    file_stats,
+    is_pretokenized,
+    read_manifest,
+)
 from torchtitan.datasets.registry import DATASETS
-from torchtitan.datasets.sources import load_text_dataset, resolve_data_path
+from torchtitan.datasets.sources import load_text_dataset, resolve_data_path, source_files
 from torchtitan.datasets.streams import TextTokenizer
 from torchtitan.datasets.text import TextDataset
 from torchtitan.errors import bad_input
@@ -32,22 +38,25 @@ class DataSource:
     shuffle: bool = False
 
 
-def _mixture_reader(
+def _mixture_source(
     name: str,
+    weight: float,
     source: DataSource,
     tokenizer: TextTokenizer,
     seq_len: int,
     layout: BatchLayout,
     vocab_size: int | None,
-) -> TextSource | PretokenizedSource:
+) -> Source:
     """Mixture source `name`: a registered name, else a path (pre-tokenized folder, or text files)."""
     if name not in DATASETS and is_pretokenized(folder := resolve_data_path(name)):
         manifest = read_manifest(folder, tokenizer.model_path, vocab_size or tokenizer.n_words)
-        return PretokenizedSource(
-            name, TokenWindows(folder, manifest, seq_len + 1), source.seed, source.shuffle
-        )
-    ds = load_text_dataset(name, None if name in DATASETS else name, source.split)
-    return TextSource(name, ds, tokenizer, seq_len + 1, layout.global_batch, layout.rows())
+        windows = TokenWindows(folder, manifest, seq_len + 1)
+        reader = PretokenizedSource(name, windows, source.seed, source.shuffle)
+        return Source(name, weight, reader, windows.contents())
+    path = None if name in DATASETS else name
+    ds = load_text_dataset(name, path, source.split)
+    reader = TextSource(name, ds, tokenizer, seq_len + 1, layout.global_batch, layout.rows())
+    return Source(name, weight, reader, file_stats(source_files(name, path, source.split)))
 
 
 def build_dataset(
@@ -70,7 +79,7 @@ def build_dataset(
     """
     if source.mixture:
         sources = [
-            Source(name, weight, _mixture_reader(name, source, tokenizer, seq_len, layout, vocab_size))
+            _mixture_source(name, weight, source, tokenizer, seq_len, layout, vocab_size)
             for name, weight in source.mixture
         ]
         return MixtureDataset(

@@ -23,7 +23,6 @@ import functools
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,10 +30,9 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
-from torchtitan.config_manager import ConfigError, resolve_path
+from torchtitan.config_manager import ConfigError
 from torchtitan.datasets.layout import Batch, BatchLayout, StepCursor, warn_relooped
-from torchtitan.datasets.pretokenized import TokenWindows, WindowOrder, file_stats, splitmix64
-from torchtitan.datasets.registry import DATASETS
+from torchtitan.datasets.pretokenized import TokenWindows, WindowOrder, splitmix64
 from torchtitan.datasets.streams import TextStreams
 from torchtitan.logging import logger
 
@@ -65,17 +63,8 @@ def fingerprint(names: list[str], contents: list[str]) -> int:
     return zlib.crc32("\n".join(names + contents).encode())
 
 
-def local_files(name: str) -> list[Path]:
-    """The files of a text source: its file, or every file under its folder; none for a hub dataset."""
-    path = Path(resolve_path(DATASETS[name].path if name in DATASETS else name))
-    if path.is_dir():
-        return sorted(p for p in path.rglob("*") if p.is_file())
-    return [path] if path.is_file() else []
-
-
 class TextSource(TextStreams):
-    """A text source of a mixture: S packed streams (document i to stream i % S), of which this rank keeps
-    its own rows'."""
+    """A text source of a mixture: S packed streams (streams.py), of which this rank keeps its own rows'."""
 
     what = "Mixture source"
 
@@ -103,10 +92,6 @@ class PretokenizedSource:
             return WindowOrder(self._windows.num_windows, self._seed, epoch)
         return lambda w: w
 
-    def contents(self) -> str:
-        """What identifies the source's content in the checkpoint (`TokenWindows.contents`)."""
-        return self._windows.contents()
-
     def read(self, row: int, n: int) -> torch.Tensor:
         """The source's n-th window of the run; a rank reads its rows' in increasing n."""
         epoch, w = divmod(n, self._windows.num_windows)
@@ -122,6 +107,9 @@ class Source:
     name: str  # as given in training.mixture
     weight: float
     reader: TextSource | PretokenizedSource
+    # What identifies the source's content in the checkpoint: a pre-tokenized source's shard checksums
+    # (`TokenWindows.contents`), a local text source's files' sizes and times (`file_stats`); "" for none.
+    contents: str = ""
 
 
 class MixtureDataset(IterableDataset, Stateful):
@@ -146,13 +134,7 @@ class MixtureDataset(IterableDataset, Stateful):
         self._cursor = StepCursor(BatchLayout(batch_size, dp_world_size, dp_rank, grad_accum_steps))
         self.global_batch = self._cursor.global_batch
         self._names = [s.name for s in sources]
-        contents = [
-            s.reader.contents()
-            if isinstance(s.reader, PretokenizedSource)
-            else file_stats(local_files(s.name))
-            for s in sources
-        ]
-        self._fingerprint = fingerprint(self._names, contents)
+        self._fingerprint = fingerprint(self._names, [s.contents for s in sources])
         self.step = 0
         self.rows = np.zeros(len(sources), dtype=np.int64)
 

@@ -45,8 +45,13 @@ def _split_files(folder: Path, split: str) -> list[Path]:
     return [Path(f) for f in files_by_split[split] if _builder_for(Path(f))]
 
 
+def _local_files(path: Path, split: str) -> list[Path]:
+    """The data files a local source reads: the file itself, or the split's files in a folder."""
+    return [path] if path.is_file() else _split_files(path, split)
+
+
 def _load_local(path: Path, split: str) -> datasets.Dataset:
-    files = [path] if path.is_file() else _split_files(path, split)
+    files = _local_files(path, split)
     builders = {_builder_for(f) for f in files}
     if not files or None in builders:
         raise ValueError(f"Dataset path {path} holds no .txt, .json, .jsonl or .parquet files")
@@ -58,6 +63,21 @@ def _load_local(path: Path, split: str) -> datasets.Dataset:
     # A .txt file is one document; json/parquet rows are documents.
     options = {"sample_by": "document"} if builder == "text" else {}
     return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **options)
+
+
+def _local_path(spec: DatasetSpec | None, dataset_path: str | None) -> Path | None:
+    """Where a local source's files are (None: a hub dataset)."""
+    if dataset_path is not None:
+        return resolve_data_path(dataset_path)
+    return Path(REPO_ROOT) / spec.path if spec is not None and spec.local else None
+
+
+def source_files(dataset_name: str, dataset_path: str | None = None, split: str = "train") -> list[Path]:
+    """The local files `load_text_dataset` reads for the same arguments; none for a hub dataset (what
+    tells that a source changed, mixture.py)."""
+    spec = DATASETS.get(dataset_name)
+    local = _local_path(spec, dataset_path)
+    return [] if local is None else _local_files(local, (spec.split if spec else None) or split)
 
 
 def load_text_dataset(
@@ -77,10 +97,9 @@ def load_text_dataset(
         )
     spec = spec or DatasetSpec(path=dataset_path, local=True)
     split = spec.split or split
-    if dataset_path is not None:
-        ds = _load_local(resolve_data_path(dataset_path), split)
-    elif spec.local:
-        ds = _load_local(Path(REPO_ROOT) / spec.path, split)
+    local = _local_path(spec, dataset_path)
+    if local is not None:
+        ds = _load_local(local, split)
     else:
         ds = datasets.load_dataset(spec.path, name=spec.config, split=split, streaming=spec.streaming)
 
