@@ -1,5 +1,6 @@
 """What the performance figures rest on: the FLOPs counted per token, the peak table, the 1B recipe."""
 
+import sys
 from dataclasses import replace
 
 import pytest
@@ -89,3 +90,18 @@ def test_vocab_size_pads_the_model_or_is_rejected(tmp_path, capsys):
     assert run_train_in_process(*job, str(tmp_path / "padded"), *tiny, "--model.vocab_size", "3000") == 0
     expected = 6 * (4 * 256**2 + 3 * 256 * 768 + 512) + 256 + 2 * 3000 * 256
     assert f"Model llama3 debugmodel: {expected:,} parameters" in capsys.readouterr().out
+
+
+def test_gpu_benchmark_grouped_gemm_part_on_cpu(tmp_path):
+    """scripts/benchmark_gpu.py's expert-layer part, on tiny shapes on the CPU: the grouped GEMM gives
+    the per-expert loop's values exactly in float32, and in bf16 errs as the loop does."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import benchmark_gpu
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    result = benchmark_gpu.part_moe_grouped_mm(tmp_path, small=True)
+    assert result["grouped_fp32_error"] == {"y": 0.0, "dx": 0.0}
+    for key in ("y", "dx"):
+        assert 0 < result["grouped_bf16_error"][key] < 0.02
+        assert result["grouped_bf16_error"][key] == pytest.approx(result["loop_bf16_error"][key], rel=0.5)

@@ -1,0 +1,321 @@
+"""GPU figures in one run, for a short loan of one H100 or H200: each part in a fresh process, in
+priority order, and a part that would not fit in the time left is skipped, so one call of about 8
+minutes prints one table (docs/performance.md keeps the figures, with their setup).
+
+    python scripts/benchmark_gpu.py --out DIR [--budget 480] [--only llama1b,moe_grouped_mm] [--small]
+
+| part | what |
+| --- | --- |
+| llama1b | train.py, 1B recipe, 4 x 2048 tokens per optimizer step, full logits (not chunked) |
+| torchtitan_1b | the PyPI torchtitan wheel on the same shape, batch, compile and AC (if installed) |
+| moe_grouped_mm | a Qwen3-30B-A3B-width expert layer, forward + backward: a grouped GEMM per projection |
+|  | vs the per-expert loop, and the values of both vs float32 on the CPU |
+| llama8b_4layers | Llama 3 8B's width with 4 layers, 1 x 8192 tokens, compiled |
+| llama1b_chunked_loss | llama1b with training.loss_chunk_tokens 2048, as the recipe has it |
+| llama1b_fp8_tensorwise, llama1b_fp8_rowwise | llama1b with float8 linear layers (torchao) |
+| qwen3_moe_2layers | Qwen3-30B-A3B's width with 2 layers, 2 x 4096 tokens, compiled, train.py's experts |
+
+A train.py part reports its last logged window (steps 21-30): tokens/s per GPU, MFU and the peak
+memory the CUDA allocator reserved, as train.py's own log line computes them, plus the graphs
+dynamo compiled (unique graphs, graph breaks). `--small` runs every part on tiny shapes on whatever
+device there is, CPU included: a check of the script before a loan, not a figure.
+"""
+
+import argparse
+import json
+import os
+import runpy
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from torchtitan.config_parser import parse_args  # noqa: E402
+from torchtitan.models import MODEL_SPECS  # noqa: E402
+
+STEPS, LOG_FREQ = 30, 10
+COMMON = ["--checkpoint.enable_checkpoint", "false", "--validation.enable", "false", "--metrics.log_freq"]
+
+
+def train_figures(
+    out: Path, name: str, argv: list[str], small: bool, layers: tuple[str, str, int] | None
+) -> dict:
+    """train.py's main() in this process; `layers` = (family, flavour, n_layers) trains that flavour
+    cut to n_layers (a flavour of this process only)."""
+    if small:
+        argv = [
+            *argv,
+            "--model.flavor",
+            "debugmodel",
+            "--model.vocab_size",
+            "-1",
+            "--training.seq_len",
+            "256",
+        ]
+        if not torch.cuda.is_available():  # bf16 matmuls are slow on most CPUs
+            argv += ["--training.mixed_precision_param", "float32"]
+    elif layers is not None:
+        family, flavor, n_layers = layers
+        flavors = MODEL_SPECS[family].flavors
+        flavors[f"{flavor}-{n_layers}layers"] = replace(flavors[flavor], n_layers=n_layers)
+        argv = [*argv, "--model.flavor", f"{flavor}-{n_layers}layers"]
+    dump = out / name
+    steps, log_freq = (4, 2) if small else (STEPS, LOG_FREQ)
+    argv = [*argv, *COMMON, str(log_freq), "--training.steps", str(steps), "--job.dump_folder", str(dump)]
+    train_main = runpy.run_path(str(ROOT / "train.py"))["main"]  # a program: executed, not imported
+    start = time.perf_counter()
+    code = train_main(parse_args(argv))
+    wall = time.perf_counter() - start
+    with open(dump / "metrics.jsonl") as f:
+        records = [r for r in map(json.loads, f) if "tps" in r]
+    last = records[-1]
+    counters = torch._dynamo.utils.counters
+    return {
+        "exit": code,
+        "tps": round(last["tps"]),
+        "mfu_pct": None if last["mfu"] is None else round(last["mfu"], 2),
+        "memory_gib": round(last["memory_gib"], 2),
+        "step_ms": round(1000 * last["step_time"], 1),
+        "wall_s": round(wall, 1),
+        "unique_graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "argv": " ".join(argv),
+    }
+
+
+LLAMA_1B = [  # full logits, as torchtitan_1b computes its loss; the recipe chunks them
+    "--job.config_file", str(ROOT / "train_configs" / "llama3_1b.toml"),
+    "--training.global_batch_size", "-1", "--training.loss_chunk_tokens", "0",
+]  # fmt: skip
+
+
+def part_llama1b(out: Path, small: bool) -> dict:
+    return train_figures(out, "llama1b", LLAMA_1B, small, None)
+
+
+def part_llama1b_chunked_loss(out: Path, small: bool) -> dict:
+    return train_figures(
+        out, "llama1b_chunked_loss", [*LLAMA_1B, "--training.loss_chunk_tokens", "2048"], small, None
+    )
+
+
+def fp8(out: Path, small: bool, recipe: str) -> dict:
+    argv = [*LLAMA_1B, "--float8.enable_float8_linear", "true", "--float8.recipe_name", recipe]
+    return train_figures(out, f"llama1b_fp8_{recipe}", argv, small, None)
+
+
+def part_llama1b_fp8_tensorwise(out: Path, small: bool) -> dict:
+    return fp8(out, small, "tensorwise")
+
+
+def part_llama1b_fp8_rowwise(out: Path, small: bool) -> dict:
+    return fp8(out, small, "rowwise")
+
+
+def part_llama8b_4layers(out: Path, small: bool) -> dict:
+    argv = [
+        "--job.config_file", str(ROOT / "train_configs" / "llama3_1b.toml"),
+        "--model.name", "llama3", "--training.batch_size", "1", "--training.seq_len", "8192",
+        "--training.global_batch_size", "-1",
+    ]  # fmt: skip
+    return train_figures(out, "llama8b_4layers", argv, small, ("llama3", "8B", 4))
+
+
+def part_qwen3_moe_2layers(out: Path, small: bool) -> dict:
+    argv = [
+        "--job.config_file", str(ROOT / "train_configs" / "qwen3_moe_debug.toml"),
+        "--training.batch_size", "2", "--training.seq_len", "4096", "--training.global_batch_size", "-1",
+        "--model.vocab_size", "151936", "--training.mixed_precision_param", "bfloat16",
+        "--training.compile", "true",
+        "--optimizer.implementation", "fused", "--lr_scheduler.warmup_steps", "10",
+    ]  # fmt: skip
+    return train_figures(out, "qwen3_moe_2layers", argv, small, ("qwen3_moe", "30B-A3B", 2))
+
+
+def part_moe_grouped_mm(out: Path, small: bool) -> dict:
+    """One expert layer's SwiGLU over routed tokens, forward and backward, at Qwen3-30B-A3B's width
+    (128 experts, dim 2048, expert hidden 768, top 8 of 8192 tokens): torch._grouped_mm per projection
+    vs train.py's per-expert loop (GroupedExperts), bf16; and each one's error against float32 on the
+    CPU, next to the loop's own bf16 error."""
+    import torch.nn.functional as F
+
+    from torchtitan.models.init import seeded_init
+    from torchtitan.models.moe import GroupedExperts
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    experts, dim, hidden, top_k, tokens = (8, 64, 32, 2, 256) if small else (128, 2048, 768, 8, 8192)
+    gen = torch.Generator().manual_seed(0)
+    layer = GroupedExperts(dim, hidden, experts)
+    with seeded_init(layer, seed=0):
+        layer.init_weights(init_std=0.02)
+    # Routing as a trained router gives it: uneven loads (a few experts take several times the mean).
+    popularity = torch.rand(experts, generator=gen) ** 3 + 0.05
+    choice = torch.multinomial(popularity.expand(tokens, experts), top_k, generator=gen)
+    counts = torch.bincount(choice.flatten(), minlength=experts)
+    x_cpu = torch.randn(tokens * top_k, dim, generator=gen)
+    grad_cpu = torch.randn(tokens * top_k, dim, generator=gen)
+
+    def grouped(x: torch.Tensor, counts: torch.Tensor, m: GroupedExperts) -> torch.Tensor:
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        w1, w2, w3 = (w.transpose(-2, -1) for w in (m.w1, m.w2, m.w3))
+        h = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
+        return torch._grouped_mm(h, w2, offs=offsets)
+
+    def loop(x: torch.Tensor, counts: torch.Tensor, m: GroupedExperts) -> torch.Tensor:
+        return m(x, counts.tolist())  # the host sync is the layer's own
+
+    def run(fn, dtype, dev, timed: bool) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+        m = GroupedExperts(dim, hidden, experts).to(dev)
+        m.load_state_dict(layer.state_dict())
+        m.to(dtype)
+        x = x_cpu.to(dev, dtype, copy=True).requires_grad_()
+        grad, c = grad_cpu.to(dev, dtype), counts.to(dev)
+        seconds = None
+        if timed:
+            for _ in range(1 if small else 3):
+                fn(x, c, m).backward(grad)
+            sync = torch.cuda.synchronize if dev.type == "cuda" else lambda: None
+            sync()
+            start, iters = time.perf_counter(), 1 if small else 10
+            for _ in range(iters):
+                fn(x, c, m).backward(grad)
+            sync()
+            seconds = (time.perf_counter() - start) / iters
+        x.grad = None
+        y = fn(x, c, m)
+        y.backward(grad)
+        return y.detach().float().cpu(), x.grad.float().cpu(), seconds
+
+    ref_y, ref_dx, _ = run(loop, torch.float32, torch.device("cpu"), timed=False)
+
+    def error(y: torch.Tensor, dx: torch.Tensor) -> dict:
+        return {
+            "y": float((y - ref_y).abs().max() / ref_y.abs().max()),
+            "dx": float((dx - ref_dx).abs().max() / ref_dx.abs().max()),
+        }
+
+    load = round(float(counts.max() / counts.float().mean()), 2)
+    result = {"device": str(device), "experts": experts, "dim": dim, "hidden": hidden}
+    result.update(top_k=top_k, tokens=tokens, max_load_over_mean=load)
+    y, dx, loop_s = run(loop, torch.bfloat16, device, timed=True)
+    result["loop_ms"], result["loop_bf16_error"] = round(1000 * loop_s, 2), error(y, dx)
+    y, dx, grouped_s = run(grouped, torch.bfloat16, device, timed=True)
+    result["grouped_ms"], result["grouped_bf16_error"] = round(1000 * grouped_s, 2), error(y, dx)
+    result["speedup"] = round(loop_s / grouped_s, 2)
+    try:
+        y, dx, _ = run(grouped, torch.float32, device, timed=False)
+        result["grouped_fp32_error"] = error(y, dx)
+    except RuntimeError as e:  # float32 grouped GEMM is not on every device and version
+        result["grouped_fp32_error"] = f"not run: {str(e).splitlines()[0][:120]}"
+    return result
+
+
+def part_torchtitan_1b(out: Path, small: bool) -> dict:
+    """scripts/compare_torchtitan/run.sh: the torchtitan wheel, installed from .whl/ into its own
+    folder so that this repository's torchtitan/ never shadows it."""
+    env = {**os.environ, "TT_SITE": "/tmp/torchtitan_site", "TT_STEPS": str(STEPS)}
+    if small:
+        env.update(TT_SMOKE="1", TT_STEPS="8")
+    runner = ROOT / "scripts" / "compare_torchtitan" / "run.sh"
+    subprocess.run(["bash", str(runner), str(out / "torchtitan_1b")], cwd=ROOT, env=env, timeout=200)
+    summary = json.loads((out / "torchtitan_1b" / "torchtitan_summary.json").read_text())
+    keep = ("tps", "mfu", "memory_gib", "steps", "exit_code", "tps_median", "mfu_ours_formula")
+    return {"torchtitan": {k: summary.get(k) for k in keep}}
+
+
+PARTS = {  # name: (function, estimated seconds on an H100), in priority order
+    "llama1b": (part_llama1b, 75),
+    "torchtitan_1b": (part_torchtitan_1b, 100),
+    "moe_grouped_mm": (part_moe_grouped_mm, 30),
+    "llama8b_4layers": (part_llama8b_4layers, 70),
+    "llama1b_chunked_loss": (part_llama1b_chunked_loss, 50),
+    "llama1b_fp8_tensorwise": (part_llama1b_fp8_tensorwise, 70),
+    "llama1b_fp8_rowwise": (part_llama1b_fp8_rowwise, 70),
+    "qwen3_moe_2layers": (part_qwen3_moe_2layers, 70),
+}
+
+
+def run_parts(out: Path, names: list[str], budget: float, small: bool) -> dict:
+    """Each part in a fresh process (train.py's main() disables GC and compiles), skipped when its
+    estimate does not fit in what is left of `budget`, stopped when it runs past it."""
+    start, results = time.perf_counter(), {}
+    for name in names:
+        left = budget - (time.perf_counter() - start)
+        if not small and left < PARTS[name][1]:
+            results[name] = {"skipped": f"{left:.0f} s left, needs about {PARTS[name][1]} s"}
+            continue
+        cmd = [sys.executable, __file__, "--part", name, "--out", str(out)] + (["--small"] if small else [])
+        log = out / f"{name}.log"
+        began = time.perf_counter()
+        try:
+            with open(log, "w") as f:
+                code = subprocess.run(
+                    cmd, stdout=f, stderr=subprocess.STDOUT, timeout=max(left, 1)
+                ).returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+        result_file = out / f"{name}.json"
+        if code == 0 and result_file.exists():
+            results[name] = json.loads(result_file.read_text())
+        else:
+            tail = log.read_text().strip().splitlines()[-3:]
+            results[name] = {"failed": f"exit {code}: {' | '.join(tail)[-400:]}"}
+        results[name]["part_s"] = round(time.perf_counter() - began, 1)
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+        print(f"{name}: {json.dumps(results[name])}", flush=True)
+    return results
+
+
+def print_table(results: dict) -> None:
+    print("\n| part | tokens/s | MFU % | memory GiB | step ms | graphs (breaks) | part s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, r in results.items():
+        if "tps" in r:
+            graphs = f"{r['unique_graphs']} ({r['graph_breaks']})"
+            cells = [f"{r['tps']:,}", r["mfu_pct"], r["memory_gib"], r["step_ms"], graphs, r["part_s"]]
+        elif "torchtitan" in r:
+            t = r["torchtitan"]
+            cells = [f"{t['tps']:,}", t["mfu"], t["memory_gib"], "", "", r["part_s"]]
+        elif "speedup" in r:
+            errors = {k: v for k, v in r.items() if k.endswith("_error")}
+            what = f"loop {r['loop_ms']} ms, grouped {r['grouped_ms']} ms: x{r['speedup']}; errors {errors}"
+            cells = [what, "", "", "", "", r["part_s"]]
+        else:
+            what = json.dumps({k: v for k, v in r.items() if k != "part_s"})
+            cells = [what, "", "", "", "", r.get("part_s", "")]
+        print(f"| {name} | " + " | ".join(map(str, cells)) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path, help="folder for each part's log and results.json")
+    parser.add_argument("--budget", type=float, default=480, help="seconds for all parts together")
+    parser.add_argument("--only", help="comma-separated parts, in the given order")
+    parser.add_argument("--small", action="store_true", help="tiny shapes on any device: checks the script")
+    parser.add_argument("--part", help=argparse.SUPPRESS)  # one part, in this process
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    if args.part:
+        result = PARTS[args.part][0](args.out, args.small)
+        (args.out / f"{args.part}.json").write_text(json.dumps(result))
+        return
+    names = args.only.split(",") if args.only else list(PARTS)
+    unknown = [n for n in names if n not in PARTS]
+    if unknown:
+        parser.error(f"--only: no part {', '.join(unknown)}; choose from {', '.join(PARTS)}")
+    env = f"torch {torch.__version__}"
+    if torch.cuda.is_available():
+        env += f", {torch.cuda.get_device_name()}"
+    print(f"benchmark_gpu: {env}", flush=True)
+    print_table(run_parts(args.out, names, args.budget, args.small))
+
+
+if __name__ == "__main__":
+    main()
