@@ -13,7 +13,7 @@ minutes prints one table (docs/performance.md keeps the figures, with their setu
 | llama8b_4layers | Llama 3 8B's width with 4 layers, 1 x 8192 tokens, compiled |
 | llama1b_chunked_loss | llama1b with training.loss_chunk_tokens 2048, as the recipe has it |
 | llama1b_fp8_tensorwise, llama1b_fp8_rowwise | llama1b with float8 linear layers (torchao) |
-| qwen3_moe_2layers | Qwen3-30B-A3B's width with 2 layers, 2 x 4096 tokens, compiled, train.py's experts |
+| qwen3_moe_2layers | Qwen3-30B-A3B's width with 2 layers, 2 x 4096 tokens, compiled |
 
 A train.py part reports its last logged window (steps 21-30): tokens/s per GPU, MFU and the peak
 memory the CUDA allocator reserved, as train.py's own log line computes them, plus the graphs
@@ -141,8 +141,8 @@ def part_qwen3_moe_2layers(out: Path, small: bool) -> dict:
 def part_moe_grouped_mm(out: Path, small: bool) -> dict:
     """One expert layer's SwiGLU over routed tokens, forward and backward, at Qwen3-30B-A3B's width
     (128 experts, dim 2048, expert hidden 768, top 8 of 8192 tokens): torch._grouped_mm per projection
-    vs train.py's per-expert loop (GroupedExperts), bf16; and each one's error against float32 on the
-    CPU, next to the loop's own bf16 error."""
+    (train.py's GroupedExperts) vs a matmul per expert, bf16; and each one's error against float32 on
+    the CPU."""
     import torch.nn.functional as F
 
     from torchtitan.models.init import seeded_init
@@ -162,13 +162,14 @@ def part_moe_grouped_mm(out: Path, small: bool) -> dict:
     grad_cpu = torch.randn(tokens * top_k, dim, generator=gen)
 
     def grouped(x: torch.Tensor, counts: torch.Tensor, m: GroupedExperts) -> torch.Tensor:
-        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        w1, w2, w3 = (w.transpose(-2, -1) for w in (m.w1, m.w2, m.w3))
-        h = F.silu(torch._grouped_mm(x, w1, offs=offsets)) * torch._grouped_mm(x, w3, offs=offsets)
-        return torch._grouped_mm(h, w2, offs=offsets)
+        return m(x, counts)  # train.py's experts
 
     def loop(x: torch.Tensor, counts: torch.Tensor, m: GroupedExperts) -> torch.Tensor:
-        return m(x, counts.tolist())  # the host sync is the layer's own
+        """The per-expert loop the grouped GEMM replaced, host sync included."""
+        outputs = []
+        for rows, w1, w2, w3 in zip(torch.split(x, counts.tolist()), m.w1, m.w2, m.w3):
+            outputs.append((F.silu(rows @ w1.T) * (rows @ w3.T)) @ w2.T)
+        return torch.cat(outputs)
 
     def run(fn, dtype, dev, timed: bool) -> tuple[torch.Tensor, torch.Tensor, float | None]:
         m = GroupedExperts(dim, hidden, experts).to(dev)

@@ -14,7 +14,7 @@ from torchtitan.checkpoint import read_model_weights
 from torchtitan.config_manager import MoEConfig
 from torchtitan.load_balance import LoadBalance
 from torchtitan.models import MODEL_SPECS
-from torchtitan.models.moe import MoE
+from torchtitan.models.moe import GroupedExperts, MoE, grouped_mm
 from torchtitan.models.qwen3_moe import moe_flops_per_token, qwen3_moe_configs
 from torchtitan.models.spec import flops_per_token
 
@@ -44,6 +44,50 @@ def moe_layer(**kwargs) -> MoE:
         moe.expert_bias.zero_()
         moe.tokens_per_expert.zero_()
     return moe
+
+
+def experts_by_loop(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The reference: a matmul per expert on its rows."""
+    outputs = []
+    for rows, w1, w2, w3 in zip(torch.split(x, counts.tolist()), experts.w1, experts.w2, experts.w3):
+        outputs.append((F.silu(rows @ w1.T) * (rows @ w3.T)) @ w2.T)
+    return torch.cat(outputs)
+
+
+ROUTINGS = {"uneven": [5, 0, 17, 2], "empty": [0, 0, 0, 0], "one expert": [0, 0, 24, 0]}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim, hidden", [(16, 24), (10, 6)], ids=["aligned", "padded"])
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_grouped_experts_equal_a_matmul_per_expert(dtype, dim, hidden, routing):
+    """Values and every gradient, whatever the routing; dims that break torch._grouped_mm's 16-byte
+    rule (10 and 6 are multiples of neither 4 nor 8) are padded."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(dim, hidden, num_experts=4).to(dtype)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0.0, 0.3)
+    counts = torch.tensor(ROUTINGS[routing])
+    x = torch.randn(int(counts.sum()), dim, dtype=dtype)
+    grad = torch.randn(int(counts.sum()), dim, dtype=dtype)
+    results = []
+    for forward in (experts, lambda x, c: experts_by_loop(experts, x, c)):
+        experts.zero_grad()
+        xi = x.clone().requires_grad_()
+        y = forward(xi, counts)
+        (y * grad).sum().backward()
+        results.append([y, xi.grad, *(p.grad for p in experts.parameters())])
+    tolerance = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1.6e-2, "atol": 1e-2}
+    for grouped, loop in zip(*results):
+        torch.testing.assert_close(grouped, loop, **tolerance)
+
+
+def test_grouped_mm_takes_an_expanded_gradient():
+    """torch._grouped_mm's own backward refuses a gradient that is not contiguous."""
+    weight = torch.randn(2, 6, 10, requires_grad=True)
+    grouped_mm(torch.randn(5, 10), weight, torch.tensor([2, 5], dtype=torch.int32)).sum().backward()
+    assert weight.grad.shape == weight.shape
 
 
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
@@ -81,6 +125,32 @@ def test_activation_recompute_counts_tokens_once():
     checkpoint(moe, x, use_reentrant=False).sum().backward()
     assert moe.tokens_per_expert.sum().item() == 20 * 2
     assert moe.router_stats[0].sum().item() == 20 * 2
+
+
+def test_moe_blocks_compile_whole():
+    """Without expert parallelism a Qwen3-MoE block compiles as one graph (fullgraph: router, dispatch,
+    grouped experts, combine), activation-checkpointed too, and trains as eager does; its tokens are
+    counted once, though checkpointing recomputes the forward."""
+    from torchtitan.parallelisms.parallelize_llama import apply_ac, apply_compile
+
+    models = []
+    for compiled in (False, True):
+        model = MODEL_SPECS["qwen3_moe"].build(replace(ARGS, n_layers=1, mlp_only_layers=()))
+        model.init_weights(seed=0)
+        apply_ac(model, "full", "op")
+        if compiled:
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            apply_compile(model, fullgraph=True)
+        tokens = torch.randint(0, ARGS.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+        F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        models.append(model)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    for eager, compiled in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(compiled.grad, eager.grad, rtol=1e-4, atol=1e-6)
+    for eager_layer, compiled_layer in zip(*(m.layers.values() for m in models)):
+        counts = [layer.feed_forward.tokens_per_expert for layer in (eager_layer, compiled_layer)]
+        assert counts[0].sum() == 2 * 16 * ARGS.top_k and torch.equal(*counts)
 
 
 def test_flops_count_the_active_experts_only():

@@ -23,8 +23,65 @@ from torchtitan.models.llama.model import FeedForward
 
 def _training_forward() -> bool:
     """Whether this forward is one whose tokens count: not activation checkpointing's recompute (run
-    inside backward), nor a forward without gradients (a pipeline stage's shape inference)."""
+    inside backward), nor a forward without gradients (a pipeline stage's shape inference). A compiled
+    recompute runs inside the backward graph, never this code."""
+    if torch.compiler.is_compiling():
+        return torch.is_grad_enabled()
     return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+
+
+# torch._grouped_mm as custom ops of ours: torch's own fake kernel for it accepts only bf16 (torch 2.13),
+# so torch.compile could not trace a float32 model's experts; these trace in any dtype.
+@torch.library.custom_op("torchtitan::grouped_mm", mutates_args=())
+def _grouped_mm(x: torch.Tensor, weight_t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """(rows, in) x (experts, in, out) -> (rows, out): the rows of expert e end at offsets[e]."""
+    return torch._grouped_mm(x, weight_t, offs=offsets)
+
+
+@_grouped_mm.register_fake
+def _(x: torch.Tensor, weight_t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight_t.shape[2])
+
+
+@torch.library.custom_op("torchtitan::grouped_mm_weight_grad", mutates_args=())
+def _grouped_mm_weight_grad(x: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """(rows, in), (rows, out) -> (experts, in, out): each expert's x_e^T @ grad_e."""
+    return torch._grouped_mm(x.t(), grad, offs=offsets)
+
+
+@_grouped_mm_weight_grad.register_fake
+def _(x: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(offsets.shape[0], x.shape[1], grad.shape[1])
+
+
+def _grouped_mm_setup(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_mm_backward(ctx, grad: torch.Tensor) -> tuple:
+    x, weight_t, offsets = ctx.saved_tensors
+    grad = grad.contiguous()  # torch._grouped_mm refuses an expanded or strided gradient
+    grad_x = _grouped_mm(grad, weight_t.transpose(-2, -1), offsets) if ctx.needs_input_grad[0] else None
+    grad_w = _grouped_mm_weight_grad(x, grad, offsets) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w, None
+
+
+_grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Each expert's rows times its weight: x (rows, in), sorted by expert, the rows of expert e ending
+    at offsets[e] (int32, on x's device); weight (experts, out, in) -> (rows, out). One kernel for all
+    the experts, with no host sync. torch._grouped_mm needs every stride to be a multiple of 16 bytes:
+    `in` and `out` are padded with zeros where they are not (the sums are unchanged)."""
+    d_in, d_out = weight.shape[2], weight.shape[1]
+    align = 16 // x.element_size()
+    pad_in, pad_out = -d_in % align, -d_out % align
+    if pad_in or pad_out:
+        x = F.pad(x, (0, pad_in))
+        weight = F.pad(weight, (0, pad_in, 0, pad_out))
+    out = _grouped_mm(x, weight.transpose(-2, -1), offsets)
+    return out[:, :d_out] if pad_out else out
 
 
 class GroupedExperts(nn.Module):
@@ -43,20 +100,19 @@ class GroupedExperts(nn.Module):
         trunc_normal_(self.w2, std=init_std)
         trunc_normal_(self.w3, std=init_std)
 
-    def forward(self, x: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x: (tokens, dim), sorted by expert, `tokens_per_expert[e]` rows for expert e (of the experts
-        held here). One matmul per expert, in the parameters' dtype: the same sums on every device.
+        held here; a tensor on x's device). A grouped GEMM per projection, in the parameters' dtype, or
+        autocast's (which does not cover torch._grouped_mm): as a matmul per expert would compute.
         Under expert parallelism the weights are this rank's shard of a DTensor (its experts)."""
-        # Unbound once: indexing w[e] per expert would make its backward build a full-size gradient
-        # for each expert (num_experts copies of every weight); unbind's backward stacks them once.
-        w1, w2, w3 = (
-            (w.to_local() if isinstance(w, DTensor) else w).unbind(0) for w in (self.w1, self.w2, self.w3)
-        )
-        outputs = []
-        for rows, gate, down, up in zip(torch.split(x, tokens_per_expert), w1, w2, w3):
-            h = F.silu(rows @ gate.transpose(0, 1)) * (rows @ up.transpose(0, 1))
-            outputs.append(h @ down.transpose(0, 1))
-        return torch.cat(outputs)
+        weights = [(w.to_local() if isinstance(w, DTensor) else w) for w in (self.w1, self.w2, self.w3)]
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weights = x.to(dtype), [w.to(dtype) for w in weights]
+        w1, w2, w3 = weights
+        offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+        h = F.silu(grouped_mm(x, w1, offsets)) * grouped_mm(x, w3, offsets)
+        return grouped_mm(h, w2, offsets)
 
 
 class MoE(nn.Module):
@@ -123,17 +179,17 @@ class MoE(nn.Module):
             out = out + self.shared_expert(tokens)
         return out.view(bs, seqlen, dim)
 
-    @torch.compiler.disable
     def run_experts(self, tokens: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Each (token, choice) pair's expert output, (tokens x k, dim) in (token, choice) order; counts
-        the tokens in training. Shapes depend on the routing, so torch.compile leaves this out."""
-        counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
+        the tokens in training. No host sync here (expert parallelism adds one for its all-to-all)."""
+        # The pairs grouped by expert; a stable sort keeps tokens in order within one.
+        order = torch.argsort(experts.flatten(), stable=True)
+        bounds = torch.arange(self.num_experts + 1, device=experts.device)
+        counts = torch.diff(torch.searchsorted(experts.flatten()[order], bounds))
         if self.training and _training_forward():
             if self.keep_router_stats:
                 self.router_stats = (counts.detach().float(), probs.sum(0))
             with torch.no_grad():
                 self.tokens_per_expert += counts
-        # The pairs grouped by expert; a stable sort keeps tokens in order within one.
-        order = torch.argsort(experts.flatten(), stable=True)
         routed = tokens.repeat_interleave(self.top_k, dim=0)[order]
-        return self.experts(routed, counts.tolist())[torch.argsort(order)]
+        return self.experts(routed, counts)[torch.argsort(order)]

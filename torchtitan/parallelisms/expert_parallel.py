@@ -37,10 +37,12 @@ class ExpertParallel(ParallelStyle):
     def _dispatch(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         x, tokens_per_expert = inputs
         group, ep = mesh.get_group(), mesh.size()
-        counts = torch.tensor(tokens_per_expert, device=x.device)  # this rank's pairs per global expert
+        counts = tokens_per_expert  # this rank's pairs per global expert, on the device
         received = funcol.all_to_all_single(counts, None, None, group)  # [source rank, local expert]
-        sent = counts.view(ep, -1).sum(1).tolist()
-        received = received.view(ep, -1).cpu()
+        # The layer's one host sync: the all-to-all's split sizes.
+        sent_and_received = torch.cat([counts.view(ep, -1).sum(1), received]).cpu()
+        sent = sent_and_received[:ep].tolist()
+        received = sent_and_received[ep:].view(ep, -1)
         arrived = received.sum(1).tolist()
         x = funcol.all_to_all_single_autograd(x, arrived, sent, group)
         # Received rows are grouped by (source rank, local expert): regroup them by (expert, source).
@@ -49,7 +51,7 @@ class ExpertParallel(ParallelStyle):
         order = torch.repeat_interleave(firsts - _exclusive_cumsum(lengths), lengths)
         order = (order + torch.arange(int(lengths.sum()))).to(x.device)
         self._routing = (order, sent, arrived)
-        return x[order], received.sum(0).tolist()
+        return x[order], received.sum(0).to(x.device)
 
     def _combine(self, module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         order, sent, arrived = self._routing

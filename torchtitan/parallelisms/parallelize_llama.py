@@ -66,7 +66,7 @@ def parallelize_llama(
     # whose hooks dynamo cannot trace inside a compiled block (apply_compile).
     fp32_policy = fp32_policy if wrapped and mp_policy.param_dtype != torch.float32 else None
     if job_config.training.compile:
-        apply_compile(model, fullgraph=fp32_policy is None)
+        apply_compile(model, fullgraph=fp32_policy is None and not parallel_dims.ep_enabled)
 
     if parallel_dims.fsdp_enabled:
         if par.fsdp_reshard_after_forward == "default":
@@ -258,11 +258,14 @@ def apply_ac(model: nn.Module, mode: str, selective_ac_option: str) -> None:
 
 def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
     """Compile each block separately: blocks are identical, so one graph serves them all, and FSDP's
-    hooks stay outside the compiled code. A mixture-of-experts block is compiled around its expert
-    dispatch, whose shapes depend on the routing (MoE.run_experts). Without `fullgraph` a block may
-    compile in pieces: around its norms when they are FSDP units of their own (mixed precision)."""
+    hooks stay outside the compiled code. Without `fullgraph` a block may compile in pieces: around
+    its norms when they are FSDP units of their own (mixed precision), around expert parallelism's
+    all-to-all, whose split sizes the host must know.
+
+    A mixture-of-experts layer counts its tokens in forward (a buffer update): activation
+    checkpointing's recompute must not count them again, as in eager (moe._training_forward)."""
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer_id, block in model.layers.named_children():
-        fullgraph = fullgraph and not any(isinstance(m, MoE) for m in block.modules())
         model.layers.register_module(layer_id, torch.compile(block, fullgraph=fullgraph))
 
 
