@@ -20,11 +20,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from launch import ROOT, TINY_JOB, read_metrics, run_train_in_process
 from torch.distributed.checkpoint.utils import _wrap_exception
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from scripts import chaos
 from torchtitan.config_manager import CommConfig
 from torchtitan.config_parser import parse_args
 from torchtitan.errors import EXIT_DATA, EXIT_PREEMPTED, comm_failure_message
+from torchtitan.reliability import launcher as launcher_module
 from torchtitan.reliability.dump_lock import LOCK_NAME
 from torchtitan.reliability.entry import StoppedEarly, stopped_early, stopped_early_line
 from torchtitan.reliability.guards import StopRequest
@@ -113,6 +115,87 @@ def test_stop_signals_save_and_resume_exactly(reference, tmp_path):
     expected, logged = dict(chaos.losses(reference)), chaos.losses(tmp_path)
     assert sorted(step for step, _ in logged) == list(range(1, second_stop + 1))
     assert [loss for _, loss in logged] == [expected[step] for step, _ in logged]
+
+
+def stand_in_job(folder: Path, mode: str, *torchrun: str) -> subprocess.Popen:
+    """The launcher on 2 ranks of tests/hooks/stand_in.py (no torch in the workers: a launch costs the
+    launcher's start only), its output in `{folder}/launcher.log`."""
+    cmd = [sys.executable, "-m", "torchtitan.reliability.launcher", "--nproc_per_node=2", "--rdzv_backend"]
+    cmd += ["c10d", *torchrun, str(HOOKS / "stand_in.py"), mode, str(folder)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with open(folder / "launcher.log", "w") as log:
+        return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (/proc's SigCgt mask)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    (mask,) = [line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")]
+    return bool(int(mask, 16) >> (sig - 1) & 1)
+
+
+@pytest.mark.parametrize("when", ["agent", "starting", "before"])
+def test_launcher_reports_a_stop_not_the_kills_it_caused(tmp_path, when):
+    """The launcher's own part of a stop, with ranks that die of SIGTERM (stand-ins: no handler), each
+    time exit code 75 (it was 143):
+    - agent: rank 1 exits 75 and torchrun's agent sends SIGTERM to rank 0, still running, which dies of
+      it: a kill the launcher caused, not the job's outcome (issue #42);
+    - starting: SIGTERM to the launcher, passed on to ranks that cannot handle it yet (a trainer's
+      first seconds: its imports): preempted;
+    - before: SIGTERM to the launcher while it waits for the other node (--nnodes 2), before any
+      worker starts: preempted, nothing to save."""
+    torchrun = ["--nnodes=2", f"--rdzv_endpoint=localhost:{chaos.free_port()}"] if when == "before" else []
+    torchrun = torchrun or ["--rdzv_endpoint=localhost:0"]
+    launcher = stand_in_job(tmp_path, "exit-75" if when == "agent" else "sleep", *torchrun)
+    try:
+        if when == "starting":
+            wait_for(lambda: len(list(tmp_path.glob("started-rank-*"))) == 2, 60)
+            launcher.send_signal(signal.SIGTERM)
+        if when == "before":
+            wait_for(lambda: catches(launcher.pid, signal.SIGTERM), 60)
+            launcher.send_signal(signal.SIGTERM)
+        code = launcher.wait(60)
+    finally:  # a launcher still running is killed, with its workers (each in a session of its own)
+        for pid in [launcher.pid, *descendants(launcher.pid)] if launcher.poll() is None else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait(30)
+    out = (tmp_path / "launcher.log").read_text()
+    assert code == EXIT_PREEMPTED, out[-3000:]
+    assert "error:" not in out and "Traceback" not in out, out[-3000:]
+    assert "failed (exitcode" not in out, out[-3000:]  # torchrun's line for a rank it deems failed
+    expected = {
+        "agent": "Sending process",  # torchrun's log: its agent did send SIGTERM
+        "starting": "launcher: rank 0 was stopped by SIGTERM as it started, before it could handle it; "
+        "nothing to save: launch the same job again",
+        "before": "launcher: stopped by SIGTERM before the workers started; nothing to save: launch the "
+        "same job again",
+    }[when]
+    assert expected in out, out[-3000:]
+
+
+def failure(rank: int, pid: int, code: int, timestamp: int) -> ProcessFailure:
+    f = ProcessFailure(local_rank=rank, pid=pid, exitcode=code, error_file="/nonexistent")
+    f.timestamp = timestamp
+    return f
+
+
+def test_launcher_cause_order():
+    """Which failed rank the launcher reports: the first to fail of its own, 4 (a lost peer) only when
+    no other, and never a rank its agent stopped (killed, or stopped: 75) while another is known."""
+    watch = launcher_module._AgentWatch()
+    watch.closed = {100}  # rank 0's pid: the agent sent it its closing signal
+    cases = [
+        ({0: failure(0, 100, -signal.SIGTERM, 5), 1: failure(1, 101, 75, 5)}, 1),
+        ({0: failure(0, 100, -signal.SIGKILL, 5), 1: failure(1, 101, 3, 9)}, 1),  # killed 30 s on
+        ({0: failure(0, 100, 75, 5), 1: failure(1, 101, 6, 5)}, 1),  # stopped by the agent at start-up
+        ({0: failure(0, 100, -signal.SIGTERM, 5), 1: failure(1, 101, 4, 5)}, 1),  # a lost peer, still
+        ({0: failure(0, 100, 2, 5), 1: failure(1, 101, 75, 5)}, 0),  # its own failure, though signalled
+        ({0: failure(0, 102, -signal.SIGKILL, 5), 1: failure(1, 101, 4, 5)}, 0),  # OOM-killed: the cause
+        ({0: failure(0, 102, 75, 5), 1: failure(1, 101, 75, 5)}, 0),  # a tie: the lower rank
+    ]
+    for failures, cause in cases:
+        assert launcher_module._cause(failures, watch)[0] == cause, failures
 
 
 def test_stop_before_training_starts(tmp_path):
