@@ -10,6 +10,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,14 +20,20 @@ import torch
 import torch.distributed.checkpoint as dcp
 from launch import ROOT, TINY_JOB, read_metrics, run_train_in_process
 from torch.distributed.checkpoint.utils import _wrap_exception
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from scripts import chaos
 from torchtitan.config_manager import CommConfig
+from torchtitan.config_parser import parse_args
 from torchtitan.errors import EXIT_DATA, EXIT_PREEMPTED, comm_failure_message
+from torchtitan.reliability import launcher as launcher_module
 from torchtitan.reliability.dump_lock import LOCK_NAME
+from torchtitan.reliability.entry import StoppedEarly, stopped_early, stopped_early_line
 from torchtitan.reliability.guards import StopRequest
+from torchtitan.reliability.launcher import LAUNCHER_PID_ENV
 from torchtitan.safe_dcp import read_checkpoint
 
+HOOKS = ROOT / "tests" / "hooks"  # test-only behaviour of launched trainers (its sitecustomize.py)
 # The jobs here are scripts/chaos.py's without the validation pass over the whole held-out split that
 # ends a run (8 to 12 s of a 2-rank run): no assertion in this file reads it, and a resumed run
 # validates in test_pretokenized.py.
@@ -60,12 +67,23 @@ def test_chaos_kills_then_resumes_exactly(reference, tmp_path):
     chaos.compare(tmp_path, reference)
 
 
+def hooked(hook: str, folder: Path) -> dict[str, str]:
+    """The environment that turns on tests/hooks/sitecustomize.py's `hook` in a launched job's trainers,
+    its files in `folder`."""
+    folder.mkdir(exist_ok=True)
+    path = os.pathsep.join(p for p in (str(HOOKS), os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path, "TITAN_TEST_HOOK": hook, "TITAN_TEST_HOOK_DIR": str(folder)}
+
+
 def test_stop_signals_save_and_resume_exactly(reference, tmp_path):
     """SIGTERM to the launcher (run_llama_train.sh, as a scheduler sends it): the workers finish the
-    step, save and exit 75. The next launch resumes exactly; SIGUSR1 to its rank 1 only: both ranks
-    still stop after the same step and save."""
+    step, save and exit 75, rank 0 slow to end (the hook `linger`: as on a busy machine, it is still
+    tearing down when rank 1 has ended and torchrun's agent sends it SIGTERM): it is not killed, and the
+    job's code is 75 (issue #42: it was 143 a quarter of the time). The next launch resumes exactly;
+    SIGUSR1 to its rank 1 only: both ranks still stop after the same step and save."""
     args = [*chaos.JOB, *NO_VALIDATION, "--checkpoint.interval", "100", "--job.dump_folder", str(tmp_path)]
-    env = {**os.environ, "NGPU": "2", "OMP_NUM_THREADS": "1"}
+    hook = tmp_path / "hook"
+    env = {**os.environ, "NGPU": "2", "OMP_NUM_THREADS": "1", **hooked("linger", hook)}
     with open(tmp_path / "launcher.log", "w") as log:
         launcher = subprocess.Popen(
             [str(ROOT / "run_llama_train.sh"), *args], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
@@ -74,7 +92,10 @@ def test_stop_signals_save_and_resume_exactly(reference, tmp_path):
         launcher.send_signal(signal.SIGTERM)
         code = launcher.wait(120)
     out = (tmp_path / "launcher.log").read_text()
+    assert (hook / "lingering-rank-0").exists(), out[-3000:]
     assert code == 75, out[-3000:]
+    assert (hook / "left-rank-0").exists(), "rank 0 was killed while it ended"
+    assert "killed" not in out, out[-3000:]
     first_stop = chaos.last_step(out)
     assert f"Stopped by SIGTERM after step {first_stop}; saved checkpoint step-{first_stop}" in out
     assert first_stop < chaos.STEPS and "Traceback" not in out
@@ -94,6 +115,156 @@ def test_stop_signals_save_and_resume_exactly(reference, tmp_path):
     expected, logged = dict(chaos.losses(reference)), chaos.losses(tmp_path)
     assert sorted(step for step, _ in logged) == list(range(1, second_stop + 1))
     assert [loss for _, loss in logged] == [expected[step] for step, _ in logged]
+
+
+def stand_in_job(folder: Path, mode: str, *torchrun: str) -> subprocess.Popen:
+    """The launcher on 2 ranks of tests/hooks/stand_in.py (no torch in the workers: a launch costs the
+    launcher's start only), its output in `{folder}/launcher.log`."""
+    cmd = [sys.executable, "-m", "torchtitan.reliability.launcher", "--nproc_per_node=2", "--rdzv_backend"]
+    cmd += ["c10d", *torchrun, str(HOOKS / "stand_in.py"), mode, str(folder)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with open(folder / "launcher.log", "w") as log:
+        return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (/proc's SigCgt mask)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    (mask,) = [line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")]
+    return bool(int(mask, 16) >> (sig - 1) & 1)
+
+
+@pytest.mark.parametrize("when", ["agent", "starting", "before"])
+def test_launcher_reports_a_stop_not_the_kills_it_caused(tmp_path, when):
+    """The launcher's own part of a stop, with ranks that die of SIGTERM (stand-ins: no handler), each
+    time exit code 75 (it was 143):
+    - agent: rank 1 exits 75 and torchrun's agent sends SIGTERM to rank 0, still running, which dies of
+      it: a kill the launcher caused, not the job's outcome (issue #42);
+    - starting: SIGTERM to the launcher, passed on to ranks that cannot handle it yet (a trainer's
+      first seconds: its imports): preempted;
+    - before: SIGTERM to the launcher while it waits for the other node (--nnodes 2), before any
+      worker starts: preempted, nothing to save."""
+    torchrun = ["--nnodes=2", f"--rdzv_endpoint=localhost:{chaos.free_port()}"] if when == "before" else []
+    torchrun = torchrun or ["--rdzv_endpoint=localhost:0"]
+    launcher = stand_in_job(tmp_path, "exit-75" if when == "agent" else "sleep", *torchrun)
+    try:
+        if when == "starting":
+            wait_for(lambda: len(list(tmp_path.glob("started-rank-*"))) == 2, 60)
+            launcher.send_signal(signal.SIGTERM)
+        if when == "before":
+            wait_for(lambda: catches(launcher.pid, signal.SIGTERM), 60)
+            launcher.send_signal(signal.SIGTERM)
+        code = launcher.wait(60)
+    finally:  # a launcher still running is killed, with its workers (each in a session of its own)
+        for pid in [launcher.pid, *descendants(launcher.pid)] if launcher.poll() is None else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait(30)
+    out = (tmp_path / "launcher.log").read_text()
+    assert code == EXIT_PREEMPTED, out[-3000:]
+    assert "error:" not in out and "Traceback" not in out, out[-3000:]
+    assert "failed (exitcode" not in out, out[-3000:]  # torchrun's line for a rank it deems failed
+    expected = {
+        "agent": "Sending process",  # torchrun's log: its agent did send SIGTERM
+        "starting": "launcher: rank 0 was stopped by SIGTERM as it started, before it could handle it; "
+        "nothing to save: launch the same job again",
+        "before": "launcher: stopped by SIGTERM before the workers started; nothing to save: launch the "
+        "same job again",
+    }[when]
+    assert expected in out, out[-3000:]
+
+
+def failure(rank: int, pid: int, code: int, timestamp: int) -> ProcessFailure:
+    f = ProcessFailure(local_rank=rank, pid=pid, exitcode=code, error_file="/nonexistent")
+    f.timestamp = timestamp
+    return f
+
+
+def test_launcher_cause_order():
+    """Which failed rank the launcher reports: the first to fail of its own, 4 (a lost peer) only when
+    no other, and never a rank its agent stopped (killed, or stopped: 75) while another is known."""
+    watch = launcher_module._AgentWatch()
+    watch.closed = {100}  # rank 0's pid: the agent sent it its closing signal
+    cases = [
+        ({0: failure(0, 100, -signal.SIGTERM, 5), 1: failure(1, 101, 75, 5)}, 1),
+        ({0: failure(0, 100, -signal.SIGKILL, 5), 1: failure(1, 101, 3, 9)}, 1),  # killed 30 s on
+        ({0: failure(0, 100, 75, 5), 1: failure(1, 101, 6, 5)}, 1),  # stopped by the agent at start-up
+        ({0: failure(0, 100, -signal.SIGTERM, 5), 1: failure(1, 101, 4, 5)}, 1),  # a lost peer, still
+        ({0: failure(0, 100, 2, 5), 1: failure(1, 101, 75, 5)}, 0),  # its own failure, though signalled
+        ({0: failure(0, 102, -signal.SIGKILL, 5), 1: failure(1, 101, 4, 5)}, 0),  # OOM-killed: the cause
+        ({0: failure(0, 102, 75, 5), 1: failure(1, 101, 75, 5)}, 0),  # a tie: the lower rank
+    ]
+    for failures, cause in cases:
+        assert launcher_module._cause(failures, watch)[0] == cause, failures
+
+
+def test_stop_before_training_starts(tmp_path):
+    """SIGTERM to the launcher while the workers start up (the hook `slow_start` holds each one where it
+    builds the tokenizer, as while a large model is built): nothing to save, but a preemption all the
+    same: exit 75, rank 0's one line says what the next launch does; no kill, no traceback."""
+    hook = tmp_path / "hook"
+    with launched(tmp_path, env=hooked("slow_start", hook)) as launcher:
+        wait_for(lambda: len(list(hook.glob("starting-rank-*"))) == 2 or launcher.poll() is not None)
+        launcher.send_signal(signal.SIGTERM)
+        code = launcher.wait(60)
+    out = (tmp_path / "launcher.log").read_text()
+    assert code == EXIT_PREEMPTED, out[-3000:]
+    assert (
+        "WARNING Stopped by SIGTERM before training started; nothing to save: launch the same job again "
+        "to start over"
+    ) in out, out[-3000:]
+    assert "Traceback" not in out and "error:" not in out and "killed" not in out, out[-3000:]
+    assert chaos.complete_checkpoints(tmp_path) == [] and not (tmp_path / LOCK_NAME).exists()
+
+
+def test_worker_of_a_dead_launcher_stops_at_start(tmp_path):
+    """A worker whose launcher died before it could ask for SIGTERM at its death (entry.stop_with_launcher)
+    stops at once: exit 75 and one line, as any stop before training (it was killed by SIGTERM)."""
+    env = {
+        **os.environ,
+        "TORCHELASTIC_RUN_ID": "test",
+        LAUNCHER_PID_ENV: "1",  # not the worker's parent (this process): dead, as far as it can tell
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+    }
+    job = [sys.executable, str(ROOT / "train.py"), *TINY_JOB, "--job.dump_folder", str(tmp_path)]
+    done = subprocess.run(job, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == EXIT_PREEMPTED, done.stderr[-3000:]
+    assert "Stopped by SIGTERM before training started; nothing to save: launch the same job again" in (
+        done.stdout + done.stderr
+    )
+    assert "Traceback" not in done.stderr
+
+
+def test_stopped_early_line(tmp_path):
+    """What the next launch of a job stopped before training starts from: the checkpoint it would load."""
+    argv = [*TINY_JOB, "--job.dump_folder", str(tmp_path), "--checkpoint.enable_checkpoint", "true"]
+    start = "Stopped by SIGUSR1 before training started; nothing to save: launch the same job again"
+    assert stopped_early_line("SIGUSR1", parse_args(argv), trains=True) == f"{start} to start over"
+    for step in (2, 4):
+        (tmp_path / "checkpoint" / f"step-{step}").mkdir(parents=True)
+        (tmp_path / "checkpoint" / f"step-{step}" / ".metadata").touch()
+    (tmp_path / "checkpoint" / "step-6").mkdir()  # incomplete: never loaded
+    line = stopped_early_line("SIGUSR1", parse_args(argv), trains=True)
+    assert line == f"{start} to resume from checkpoint step-4"
+    line = stopped_early_line("SIGUSR1", parse_args([*argv, "--checkpoint.load_step", "2"]), trains=True)
+    assert line == f"{start} to resume from checkpoint step-2"
+    off = [*argv, "--checkpoint.enable_checkpoint", "false", "--checkpoint.initial_load_path", str(tmp_path)]
+    line = stopped_early_line("SIGUSR1", parse_args(off), trains=True)
+    assert line == f"{start} to start over from checkpoint.initial_load_path"
+    assert stopped_early_line("SIGUSR1", None, trains=True) == start
+    line = stopped_early_line("SIGUSR1", parse_args(argv), trains=False)  # scripts/evaluate.py
+    assert line == "Stopped by SIGUSR1; nothing to save: launch the same job again"
+
+
+def test_stopped_early_found_inside_a_checkpoint_exception():
+    """A stop while DCP loads a checkpoint reaches the entry point wrapped in a CheckpointException."""
+    try:
+        raise StoppedEarly("SIGTERM")
+    except StoppedEarly as e:
+        wrapped = dcp.CheckpointException("load", {0: _wrap_exception(e)})
+    assert stopped_early(wrapped).signal_name == "SIGTERM"
+    assert stopped_early(RuntimeError("no")) is None
 
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
@@ -188,10 +359,11 @@ def data_worker(launcher: int, rank: int) -> int:
 
 
 @contextlib.contextmanager
-def launched(dump_folder: Path, *args: str) -> Iterator[subprocess.Popen]:
-    """run_llama_train.sh on 2 ranks with LOG_RANK=0 (its output in `{dump_folder}/launcher.log`); on
-    leaving, a job still running is woken and killed, its whole process tree."""
-    env = {**os.environ, "NGPU": "2", "LOG_RANK": "0", "OMP_NUM_THREADS": "1"}
+def launched(dump_folder: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """run_llama_train.sh on 2 ranks with LOG_RANK=0 (its output in `{dump_folder}/launcher.log`), `env`
+    added to its environment; on leaving, a job still running is woken and killed, its whole process
+    tree."""
+    env = {**os.environ, "NGPU": "2", "LOG_RANK": "0", "OMP_NUM_THREADS": "1", **(env or {})}
     job = [*chaos.JOB, *NO_VALIDATION, "--job.dump_folder", str(dump_folder), *args]
     with subreaper(), open(dump_folder / "launcher.log", "w") as log:
         launcher = subprocess.Popen(
@@ -206,6 +378,25 @@ def launched(dump_folder: Path, *args: str) -> Iterator[subprocess.Popen]:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, sig)
             launcher.wait(30)
+
+
+def test_failure_of_every_rank_is_reported_though_a_rank_is_slow_to_end(tmp_path):
+    """A failure every rank explains alike (here bad input only a worker can see, exit 2), rank 0 slow to
+    end (the hook `linger`, as in test_stop_signals_save_and_resume_exactly): torchrun's agent, seeing
+    rank 1's exit, sends rank 0 SIGTERM, which does not kill it; the job's code is 2, with its one line
+    (it was 143 when the two ends fell in the same second). Every code a rank decides ends so."""
+    hook = tmp_path / "hook"
+    with launched(tmp_path, "--model.vocab_size", "10", env=hooked("linger", hook)) as launcher:
+        code = launcher.wait(300)
+    out = (tmp_path / "launcher.log").read_text()
+    assert (hook / "lingering-rank-0").exists(), out[-3000:]
+    assert code == 2, out[-3000:]
+    assert (hook / "left-rank-0").exists(), "rank 0 was killed while it ended"
+    assert [line for line in out.splitlines() if "error:" in line] == [
+        "[rank0]:error: model.vocab_size: 10 is smaller than the tokenizer's 2256 tokens; "
+        "use -1 or a larger value"
+    ], out[-3000:]
+    assert "killed" not in out and "Traceback" not in out, out[-3000:]
 
 
 def test_dead_data_worker_ends_in_one_line_then_resumes_exactly(reference, tmp_path):

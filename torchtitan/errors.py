@@ -14,7 +14,8 @@ reason of a failed rank whose output LOG_RANK hides.
     6   the data loader failed: a data loading worker died, or made no batch within
         training.data_timeout_seconds; launch again to resume from the last checkpoint
     75  preempted by SIGTERM or SIGUSR1, or the launcher died: stopped after a step and saved a checkpoint
-        (if enabled); launch the same job again to resume (75 is EX_TEMPFAIL, "try again later")
+        (if enabled), or stopped before training started, with nothing to save; launch the same job again
+        to resume (75 is EX_TEMPFAIL, "try again later")
 
 Importing this module does not import torch (the preflight and the launcher use it)."""
 

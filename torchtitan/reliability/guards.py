@@ -21,7 +21,10 @@ class StopRequest:
     A signal may reach some ranks only, or at different moments, and every rank must stop at the same
     step (the save is collective). So each step, `agreed()` all-reduces a one-element flag over all
     ranks; to keep the host from waiting on the device, the result is read one step later. A signal
-    therefore stops the run at the end of the step after the one it arrived in, at the latest."""
+    therefore stops the run at the end of the step after the one it arrived in, at the latest.
+
+    Until it is made (start-up: building the model and the data loader, loading a checkpoint), a
+    signal stops the job at once, with nothing to save (entry.StoppedEarly)."""
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
