@@ -9,7 +9,8 @@ import warnings
 import torch
 
 from torchtitan.checkpoint import CheckpointManager, TrainState
-from torchtitan.config_manager import JobConfig, resolve_path
+from torchtitan.config.options import JobConfig
+from torchtitan.config.paths import resolve_path
 from torchtitan.config_rules import check_layout
 from torchtitan.datasets.build import build_training_data_loader
 from torchtitan.datasets.layout import BatchLayout

@@ -70,7 +70,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 import benchmark_memory  # noqa: E402
 
-from torchtitan.config_parser import parse_args  # noqa: E402
+from torchtitan.config.parser import parse_args  # noqa: E402
 
 TRAIN_ARGS = [
     "--job.config_file",

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, uninstalled
 
 from torchtitan.checkpoint import CheckpointManager, TrainState  # noqa: E402
-from torchtitan.config_manager import JobConfig  # noqa: E402
+from torchtitan.config.options import JobConfig  # noqa: E402
 from torchtitan.models.llama import ModelArgs  # noqa: E402
 from torchtitan.models.llama.model import Transformer  # noqa: E402
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer  # noqa: E402

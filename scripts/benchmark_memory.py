@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from torchtitan.config_parser import parse_args
+from torchtitan.config.parser import parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 ON_GPU = torch.cuda.is_available()

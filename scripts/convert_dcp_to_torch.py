@@ -18,8 +18,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, uninstalled
 
 from torchtitan.checkpoint_folder import check_checkpoint  # noqa: E402
+from torchtitan.config.paths import check_output_file  # noqa: E402
 from torchtitan.errors import run_with_exit_codes  # noqa: E402
-from torchtitan.paths import check_output_file  # noqa: E402
 from torchtitan.safe_dcp import SafeReader, read_checkpoint  # noqa: E402
 
 

@@ -38,8 +38,8 @@ import sys
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from torchtitan.config_manager import ConfigError  # noqa: E402
-from torchtitan.config_parser import parse_args  # noqa: E402
+from torchtitan.config.options import ConfigError  # noqa: E402
+from torchtitan.config.parser import parse_args  # noqa: E402
 from torchtitan.errors import run_with_exit_codes  # noqa: E402
 from torchtitan.memory_estimation.measure import measure  # noqa: E402
 from torchtitan.memory_estimation.report import estimate  # noqa: E402

@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from torchtitan.checkpoint import CheckpointManager, TrainState, check_model_record, saved_entries
-from torchtitan.config_manager import CheckpointConfig, ConfigError, JobConfig
+from torchtitan.config.options import CheckpointConfig, ConfigError, JobConfig
 from torchtitan.models.llama import ModelArgs
 from torchtitan.models.llama.model import Transformer
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer

@@ -17,7 +17,7 @@ def test_config_reference_is_generated_from_the_declarations():
 
 
 def test_config_reference_lists_every_option():
-    from torchtitan.config_manager import JobConfig
+    from torchtitan.config.options import JobConfig
 
     text = (ROOT / "docs" / "config_reference.md").read_text()
     for section, options in JobConfig().to_dict().items():

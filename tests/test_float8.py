@@ -10,8 +10,8 @@ import pytest
 import torch
 from launch import ROOT, TINY_JOB, run_train_in_process
 
-from torchtitan.config_manager import ConfigError, JobConfig
-from torchtitan.config_parser import parse_args
+from torchtitan.config.options import ConfigError, JobConfig
+from torchtitan.config.parser import parse_args
 from torchtitan.config_rules import TORCHAO_REQUIREMENT, check_float8, parallel_dims_of
 from torchtitan.models import build_model_args
 from torchtitan.models.llama import ModelArgs

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from scripts import convert_dcp_to_hf, convert_hf_to_dcp
 from torchtitan.checkpoint import read_model_weights
-from torchtitan.config_manager import MoEConfig
+from torchtitan.config.options import MoEConfig
 from torchtitan.load_balance import LoadBalance
 from torchtitan.models import MODEL_SPECS
 from torchtitan.models.moe import MoE

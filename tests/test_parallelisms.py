@@ -24,8 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torchtitan.datasets.tokenizer
 import torchtitan.distributed
 from torchtitan.chunked_loss import chunked_cross_entropy
-from torchtitan.config_manager import JobConfig, MoEConfig
-from torchtitan.config_parser import parse_args
+from torchtitan.config.options import JobConfig, MoEConfig
+from torchtitan.config.parser import parse_args
 from torchtitan.config_rules import gradient_accumulation_steps
 from torchtitan.distributed import clip_grad_norm_
 from torchtitan.load_balance import LoadBalance

@@ -21,7 +21,7 @@ from launch import ROOT, TINY_JOB, read_metrics, run_train_in_process
 from torch.distributed.checkpoint.utils import _wrap_exception
 
 from scripts import chaos
-from torchtitan.config_manager import CommConfig
+from torchtitan.config.options import CommConfig
 from torchtitan.errors import EXIT_DATA, EXIT_PREEMPTED, comm_failure_message
 from torchtitan.reliability.dump_lock import LOCK_NAME
 from torchtitan.reliability.guards import StopRequest

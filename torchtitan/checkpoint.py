@@ -42,11 +42,11 @@ from torchtitan.checkpoint_folder import (
     is_complete,
     list_checkpoints,
 )
-from torchtitan.config_manager import ConfigError, JobConfig, ModelConfig, resolve_path
+from torchtitan.config.options import ConfigError, JobConfig, ModelConfig
+from torchtitan.config.paths import resolve_path, shown
 from torchtitan.errors import CheckpointWriteError, os_error_behind
 from torchtitan.logging import logger
 from torchtitan.parallelisms.parallelize_llama import DTYPES
-from torchtitan.paths import shown
 from torchtitan.safe_dcp import SafeLoadPlanner, SafeReader, read_checkpoint, saved_entries
 
 

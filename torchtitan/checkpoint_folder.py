@@ -6,8 +6,8 @@ and renames it once whole). Torch-free: the preflight checks these rules before 
 import os
 import re
 
-from torchtitan.config_manager import CheckpointConfig, ConfigError, JobConfig
-from torchtitan.paths import check_folder, shown
+from torchtitan.config.options import CheckpointConfig, ConfigError, JobConfig
+from torchtitan.config.paths import check_folder, shown
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 # Folders of a save or a deletion cut short; never loaded, removed at start.

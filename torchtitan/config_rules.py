@@ -8,7 +8,8 @@ raises a ConfigError naming the first bad option and the fix."""
 import math
 import os
 
-from torchtitan.config_manager import ConfigError, JobConfig, LRSchedulerConfig, TrainingConfig, resolve_path
+from torchtitan.config.options import ConfigError, JobConfig, LRSchedulerConfig, TrainingConfig
+from torchtitan.config.paths import resolve_path
 from torchtitan.models import flavor_args, model_spec
 from torchtitan.models.spec import ModelArgs
 from torchtitan.parallelisms.parallel_dims import ParallelDims

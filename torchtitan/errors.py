@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
-from torchtitan.config_manager import CommConfig, ConfigError
+from torchtitan.config.options import CommConfig, ConfigError
 
 EXIT_OK = 0
 EXIT_ERROR = 1

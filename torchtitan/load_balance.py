@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan.config_manager import MoEConfig
+from torchtitan.config.options import MoEConfig
 from torchtitan.models.moe import MoE
 
 

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.chunked_loss import chunked_cross_entropy
-from torchtitan.config_manager import JobConfig, TrainingConfig
+from torchtitan.config.options import JobConfig, TrainingConfig
 from torchtitan.config_rules import gradient_accumulation_steps, loss_skips_output
 from torchtitan.load_balance import LoadBalance
 from torchtitan.parallelisms.context_parallel import shard_sequence

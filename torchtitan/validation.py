@@ -13,7 +13,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from torchtitan.config_manager import ConfigError, JobConfig
+from torchtitan.config.options import ConfigError, JobConfig
 from torchtitan.datasets.build import DataSource, build_dataset
 from torchtitan.datasets.layout import BatchLayout
 from torchtitan.datasets.loader import DataLoader

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, record_function
 
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.options import JobConfig
 from torchtitan.config_rules import check_layout
 from torchtitan.distributed import init_distributed
 from torchtitan.memory_estimation.report import layout_of, row

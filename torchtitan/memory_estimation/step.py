@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from torchtitan.config_manager import ConfigError, JobConfig, resolve_path
+from torchtitan.config.options import ConfigError, JobConfig
+from torchtitan.config.paths import resolve_path
 from torchtitan.config_rules import loss_skips_output
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.distributed import clip_grad_norm_

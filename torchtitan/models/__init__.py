@@ -5,7 +5,7 @@ Torch-free, so that the preflight checks a flavour and its shape before any work
 
 from dataclasses import replace
 
-from torchtitan.config_manager import ConfigError, JobConfig, ModelConfig
+from torchtitan.config.options import ConfigError, JobConfig, ModelConfig
 from torchtitan.models.llama import llama2_configs, llama3_configs
 from torchtitan.models.qwen3 import qwen3_configs
 from torchtitan.models.qwen3_moe import moe_flops_per_token, qwen3_moe_configs

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.options import JobConfig
 from torchtitan.config_rules import loss_skips_output
 from torchtitan.models import model_spec
 from torchtitan.models.llama.model import RMSNorm

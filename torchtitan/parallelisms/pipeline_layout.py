@@ -5,7 +5,7 @@ before any worker starts; torchtitan/parallelisms/pipeline_llama.py builds the s
 
 import re
 
-from torchtitan.config_manager import ConfigError, JobConfig
+from torchtitan.config.options import ConfigError, JobConfig
 
 # Schedules whose two stages per rank form a V: rank r holds stages r and 2 * pp - 1 - r, so the
 # last stage sits next to the first and the loss gradient turns around without a hop.

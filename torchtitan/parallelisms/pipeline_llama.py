@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineSchedule, get_schedule_class
 
-from torchtitan.config_manager import ConfigError, JobConfig
+from torchtitan.config.options import ConfigError, JobConfig
 from torchtitan.models import model_spec
 from torchtitan.models.moe import MoE
 from torchtitan.parallelisms.parallel_dims import ParallelDims

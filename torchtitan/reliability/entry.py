@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from torchtitan.config_manager import JobConfig
-from torchtitan.config_parser import parse_args
+from torchtitan.config.options import JobConfig
+from torchtitan.config.parser import parse_args
 from torchtitan.datasets.loader import PR_SET_PDEATHSIG, worker_failures_in_one_line
 from torchtitan.errors import run_with_exit_codes
 from torchtitan.reliability.dump_lock import DumpFolderLock
