@@ -8,7 +8,8 @@ import warnings
 
 import torch
 
-from torchtitan.checkpoint import CheckpointManager, TrainState
+from torchtitan.checkpoint.manager import CheckpointManager
+from torchtitan.checkpoint.state import TrainState
 from torchtitan.config.options import JobConfig
 from torchtitan.config.paths import resolve_path
 from torchtitan.config_rules import check_layout

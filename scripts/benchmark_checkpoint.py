@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, uninstalled
 
-from torchtitan.checkpoint import CheckpointManager, TrainState  # noqa: E402
+from torchtitan.checkpoint.manager import CheckpointManager  # noqa: E402
+from torchtitan.checkpoint.state import TrainState  # noqa: E402
 from torchtitan.config.options import JobConfig  # noqa: E402
 from torchtitan.models.llama import ModelArgs  # noqa: E402
 from torchtitan.models.llama.model import Transformer  # noqa: E402

@@ -19,8 +19,8 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from torchtitan.checkpoint import check_model_record, load_model_weights  # noqa: E402
-from torchtitan.checkpoint_folder import latest_checkpoint_path  # noqa: E402
+from torchtitan.checkpoint.folder import latest_checkpoint_path  # noqa: E402
+from torchtitan.checkpoint.load import check_model_record, load_model_weights  # noqa: E402
 from torchtitan.config.options import JobConfig  # noqa: E402
 from torchtitan.config.paths import resolve_path  # noqa: E402
 from torchtitan.config_rules import check_layout  # noqa: E402

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from scripts import convert_dcp_to_hf, convert_dcp_to_torch, convert_hf_to_dcp
-from torchtitan.checkpoint import read_model_weights
+from torchtitan.checkpoint.load import read_model_weights
 from torchtitan.config.options import ConfigError
 from torchtitan.models import MODEL_SPECS
 from torchtitan.models.llama import ModelArgs

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from scripts import convert_dcp_to_hf, convert_hf_to_dcp
-from torchtitan.checkpoint import read_model_weights
+from torchtitan.checkpoint.load import read_model_weights
 from torchtitan.config.options import MoEConfig
 from torchtitan.load_balance import LoadBalance
 from torchtitan.models import MODEL_SPECS

@@ -7,7 +7,7 @@ import torch
 from launch import VALIDATION, read_metrics, run_train, validation_losses
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from torchtitan.checkpoint import merge_model_parts
+from torchtitan.checkpoint.state import merge_model_parts
 from torchtitan.config.options import ConfigError, JobConfig, ParallelismConfig, default_of
 from torchtitan.config.parser import parse_args
 from torchtitan.config_rules import check_pipeline

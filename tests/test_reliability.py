@@ -21,11 +21,11 @@ from launch import ROOT, TINY_JOB, read_metrics, run_train_in_process
 from torch.distributed.checkpoint.utils import _wrap_exception
 
 from scripts import chaos
+from torchtitan.checkpoint.safe_reader import read_checkpoint
 from torchtitan.config.options import CommConfig
 from torchtitan.errors import EXIT_DATA, EXIT_PREEMPTED, comm_failure_message
 from torchtitan.reliability.dump_lock import LOCK_NAME
 from torchtitan.reliability.guards import StopRequest
-from torchtitan.safe_dcp import read_checkpoint
 
 # The jobs here are scripts/chaos.py's without the validation pass over the whole held-out split that
 # ends a run (8 to 12 s of a 2-rank run): no assertion in this file reads it, and a resumed run

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from torchtitan.checkpoint_folder import check_initial_load_path, check_load_step, checkpoint_folder
+from torchtitan.checkpoint.folder import check_initial_load_path, check_load_step, checkpoint_folder
 from torchtitan.config.options import ConfigError, JobConfig
 from torchtitan.config.parser import parse_args
 from torchtitan.config.paths import (

@@ -1,7 +1,8 @@
 """Where a run's checkpoints are and which one it resumes from: `{dump_folder}/{checkpoint.folder}/step-N`.
 
-A `step-N` folder with a `.metadata` file is complete (torchtitan/checkpoint.py writes `step-N.tmp`
-and renames it once whole). Torch-free: the preflight checks these rules before any worker starts."""
+A `step-N` folder with a `.metadata` file is complete (torchtitan/checkpoint/manager.py writes
+`step-N.tmp` and renames it once whole). Torch-free: the preflight checks these rules before any
+worker starts."""
 
 import os
 import re

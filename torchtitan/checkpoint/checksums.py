@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from torchtitan.checkpoint_folder import list_checkpoints
+from torchtitan.checkpoint.folder import list_checkpoints
 from torchtitan.config.options import ConfigError
 from torchtitan.logging import logger
 
