@@ -24,7 +24,7 @@ from torchtitan.metrics import MetricLogger, peak_flops
 from torchtitan.models import build_model_args, model_spec
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer
 from torchtitan.parallelisms.float8 import float8_scales_are_precomputed, precompute_float8_scales
-from torchtitan.parallelisms.parallelize_llama import DTYPES
+from torchtitan.parallelisms.parallelize import DTYPES
 from torchtitan.profiling import maybe_enable_profilers
 from torchtitan.reliability.entry import run_job
 from torchtitan.reliability.guards import NonFiniteGuard, StopRequest

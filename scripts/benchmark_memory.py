@@ -16,7 +16,7 @@ ON_GPU = torch.cuda.is_available()
 
 def fsdp_memory(train_args: list[str]) -> dict:
     """Bytes of the parameters, gradients and optimizer state this rank holds after a training step,
-    built by the trainer's own parallelize_llama and build_optimizer (FSDP over all ranks)."""
+    built by the trainer's own parallelize and build_optimizer (FSDP over all ranks)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -24,7 +24,7 @@ def fsdp_memory(train_args: list[str]) -> dict:
     from torchtitan.models import build_model_args, model_spec
     from torchtitan.optimizer import build_optimizer
     from torchtitan.parallelisms.parallel_dims import ParallelDims
-    from torchtitan.parallelisms.parallelize_llama import parallelize_llama
+    from torchtitan.parallelisms.parallelize import parallelize
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1:
@@ -35,7 +35,7 @@ def fsdp_memory(train_args: list[str]) -> dict:
     with torch.device("meta"):
         model = model_spec(job_config.model).build(args)
     mesh = dims.build_mesh("cpu") if world_size > 1 else None
-    model = parallelize_llama(model, mesh, dims, job_config)
+    model = parallelize(model, mesh, dims, job_config)
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
     optimizer = build_optimizer(model, job_config.optimizer)

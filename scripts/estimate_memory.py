@@ -2,7 +2,7 @@
 
     NGPU=64 python scripts/estimate_memory.py --job.config_file F [--section.key VALUE ...]
 
-builds the job's model and parallel layout with the trainer's own code (parallelize_llama) on fake
+builds the job's model and parallel layout with the trainer's own code (parallelisms.parallelize) on fake
 tensors, over a fake process group of NGPU ranks (default 8), runs a training step under torch's
 MemTracker and prints the peak of a steady-state step (the optimizer state already made), per
 rank, split into parameters, gradients, optimizer state and activations. Nothing is allocated and

@@ -38,12 +38,7 @@ from torchtitan.models.qwen3.model import Transformer as Qwen3Transformer
 from torchtitan.models.qwen3_moe import Qwen3MoeModelArgs
 from torchtitan.models.qwen3_moe.model import Transformer as Qwen3MoeTransformer
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.parallelize_llama import (
-    apply_ac,
-    apply_compile,
-    parallelize_llama,
-    set_grad_all_reduce,
-)
+from torchtitan.parallelisms.parallelize import apply_ac, apply_compile, parallelize, set_grad_all_reduce
 from torchtitan.train_step import TrainStep, parallelize_model
 
 TINY = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=16)
@@ -261,7 +256,7 @@ def _build(args: ModelArgs, world_mesh, dims: ParallelDims, config: JobConfig, c
     with torch.device("meta"):
         model = cls(args)
     if world_mesh is not None:
-        parallelize_llama(model, world_mesh, dims, config)
+        parallelize(model, world_mesh, dims, config)
     model.to_empty(device="cpu")
     model.init_weights(SEED)
     return model

@@ -13,8 +13,8 @@ from torchtitan.config.parser import parse_args
 from torchtitan.config_rules import check_pipeline
 from torchtitan.models.llama import ModelArgs
 from torchtitan.models.llama.model import Transformer
+from torchtitan.parallelisms.pipeline import split_model
 from torchtitan.parallelisms.pipeline_layout import SINGLE_STAGE_SCHEDULES, stage_ids, stage_layers
-from torchtitan.parallelisms.pipeline_llama import split_model
 
 TINY = ModelArgs(dim=32, n_layers=6, n_heads=4, vocab_size=64, multiple_of=16, max_seq_len=16)
 

@@ -118,7 +118,7 @@ def check_moe(job_config: JobConfig, parallel_dims: ParallelDims, model_args: Mo
     """Expert parallelism splits a mixture-of-experts model's experts evenly; what such a model cannot run
     with yet: TP without FSDP (its layers' gradients are summed over the tp ranks by FSDP), and its
     auxiliary loss under PP with replicas alone (the stages pass its statistics on through FSDP's
-    unit, parallelisms/pipeline_llama.py)."""
+    unit, parallelisms/pipeline.py)."""
     name = job_config.model.name
     if not model_spec(job_config.model).moe:
         if parallel_dims.ep_enabled:

@@ -22,7 +22,7 @@ from torchtitan.models.moe import MoE
 class LoadBalance:
     """The MoE layers of this rank's model parts and what balances them; `dp`: the data-parallel mesh
     (None without data parallelism), `pp`: the pipeline mesh, `tp`: the tensor-parallel mesh, whose
-    ranks each route their own sequence shard of the batch (parallelize_llama.llama_block_plan)."""
+    ranks each route their own sequence shard of the batch (torchtitan/models/llama/tp_plan.py)."""
 
     def __init__(
         self,

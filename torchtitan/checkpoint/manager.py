@@ -48,7 +48,7 @@ from torchtitan.checkpoint.state import (
 from torchtitan.config.options import JobConfig
 from torchtitan.errors import CheckpointWriteError, os_error_behind
 from torchtitan.logging import logger
-from torchtitan.parallelisms.parallelize_llama import DTYPES
+from torchtitan.parallelisms.parallelize import DTYPES
 
 
 def _fsync_dir(path: str) -> None:

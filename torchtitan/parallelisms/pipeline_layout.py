@@ -1,7 +1,7 @@
 """How a pipeline-parallel job splits its layers: stages, the stages each rank holds, micro-batches.
 
 Plain arithmetic on the configuration, without torch, so the preflight checks a pipeline layout
-before any worker starts; torchtitan/parallelisms/pipeline_llama.py builds the stages from it."""
+before any worker starts; torchtitan/parallelisms/pipeline.py builds the stages from it."""
 
 import re
 
