@@ -15,12 +15,12 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.chunked_loss import chunked_cross_entropy
 from torchtitan.config.options import JobConfig, TrainingConfig
-from torchtitan.config_rules import gradient_accumulation_steps, loss_skips_output
+from torchtitan.config_rules import gradient_accumulation_steps
 from torchtitan.load_balance import LoadBalance
 from torchtitan.parallelisms.context_parallel import shard_sequence
 from torchtitan.parallelisms.float8 import convert_to_float8
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.parallelize import DTYPES, parallelize, set_grad_all_reduce
+from torchtitan.parallelisms.parallelize import DTYPES, loss_skips_output, parallelize, set_grad_all_reduce
 from torchtitan.parallelisms.pipeline import Pipeline, StageIO, build_pipeline
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids, labels), both (batch, seq_len)

@@ -10,7 +10,6 @@ import torch
 
 from torchtitan.config.options import ConfigError, JobConfig
 from torchtitan.config.paths import resolve_path
-from torchtitan.config_rules import loss_skips_output
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.distributed import clip_grad_norm_
 from torchtitan.errors import bad_input
@@ -20,7 +19,7 @@ from torchtitan.models import build_model_args, model_spec
 from torchtitan.models import vocab_size as padded_vocab_size
 from torchtitan.optimizer import build_optimizer
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.parallelize import parallelize
+from torchtitan.parallelisms.parallelize import loss_skips_output, parallelize
 from torchtitan.parallelisms.pipeline import StageIO, split_model
 from torchtitan.parallelisms.pipeline_layout import num_microbatches, stage_layers
 from torchtitan.train_step import TrainStep, autocast_context, parallelize_model

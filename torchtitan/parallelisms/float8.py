@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
 from torchtitan.config.options import ConfigError, Float8Config, JobConfig
-from torchtitan.config_rules import torchao_missing
+from torchtitan.errors import torchao_missing
 from torchtitan.logging import logger
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 

@@ -26,8 +26,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
-from torchtitan.config.options import JobConfig
-from torchtitan.config_rules import loss_skips_output
+from torchtitan.config.options import JobConfig, TrainingConfig
 from torchtitan.models import model_spec
 from torchtitan.models.llama.model import RMSNorm
 from torchtitan.models.moe import MoE
@@ -38,6 +37,13 @@ from torchtitan.parallelisms.parallel_dims import ParallelDims
 
 # torch's dtypes by the names the options take (training.mixed_precision_*, checkpoint.export_dtype).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def loss_skips_output(training_config: TrainingConfig) -> bool:
+    """With a chunked loss (training.loss_chunk_tokens) the model stops at its final norm (`skip_output`)
+    and the loss projects the hidden states by the output weight itself, a chunk at a time
+    (chunked_loss.py): FSDP then keeps the root's parameters, that weight among them, after the forward."""
+    return training_config.loss_chunk_tokens > 0
 
 
 def parallelize(
