@@ -25,9 +25,9 @@ from torchtitan.config.options import JobConfig  # noqa: E402
 from torchtitan.config.paths import resolve_path  # noqa: E402
 from torchtitan.config_rules import check_layout  # noqa: E402
 from torchtitan.datasets.tokenizer import build_tokenizer  # noqa: E402
-from torchtitan.distributed import init_distributed  # noqa: E402
 from torchtitan.errors import EXIT_OK, bad_input  # noqa: E402
 from torchtitan.models import build_model_args, model_spec  # noqa: E402
+from torchtitan.parallelisms.distributed import init_distributed  # noqa: E402
 from torchtitan.reliability.entry import run_job  # noqa: E402
 from torchtitan.train_step import TrainStep, parallelize_model  # noqa: E402
 from torchtitan.validation import Validator  # noqa: E402

@@ -11,13 +11,13 @@ import torch
 from torchtitan.config.options import ConfigError, JobConfig
 from torchtitan.config.paths import resolve_path
 from torchtitan.datasets.tokenizer import build_tokenizer
-from torchtitan.distributed import clip_grad_norm_
 from torchtitan.errors import bad_input
 from torchtitan.load_balance import LoadBalance
 from torchtitan.memory_estimation.torch_internals import FakeTensorMode
 from torchtitan.models import build_model_args, model_spec
 from torchtitan.models import vocab_size as padded_vocab_size
 from torchtitan.optimizer import build_optimizer
+from torchtitan.parallelisms.distributed import clip_grad_norm_
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.parallelize import loss_skips_output, parallelize
 from torchtitan.parallelisms.pipeline import StageIO, split_model
