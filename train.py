@@ -8,21 +8,28 @@ import warnings
 
 import torch
 
-from torchtitan.checkpoint import CheckpointManager, TrainState
-from torchtitan.config_manager import JobConfig, resolve_path
+from torchtitan.checkpoint.manager import CheckpointManager
+from torchtitan.checkpoint.state import TrainState
+from torchtitan.config.options import JobConfig
+from torchtitan.config.paths import resolve_path
 from torchtitan.config_rules import check_layout
 from torchtitan.datasets.build import build_training_data_loader
 from torchtitan.datasets.layout import BatchLayout
 from torchtitan.datasets.tokenizer import build_tokenizer
-from torchtitan.distributed import clip_grad_norm_, global_mean_loss, init_distributed, set_collective_timeout
 from torchtitan.errors import EXIT_OK, bad_input
 from torchtitan.load_balance import LoadBalance
 from torchtitan.logging import init_logger, logger
 from torchtitan.metrics import MetricLogger, peak_flops
 from torchtitan.models import build_model_args, model_spec
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer
+from torchtitan.parallelisms.distributed import (
+    clip_grad_norm_,
+    global_mean_loss,
+    init_distributed,
+    set_collective_timeout,
+)
 from torchtitan.parallelisms.float8 import float8_scales_are_precomputed, precompute_float8_scales
-from torchtitan.parallelisms.parallelize_llama import DTYPES
+from torchtitan.parallelisms.parallelize import DTYPES
 from torchtitan.profiling import maybe_enable_profilers
 from torchtitan.reliability.entry import run_job
 from torchtitan.reliability.guards import NonFiniteGuard, StopRequest

@@ -36,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from torchtitan.config_parser import parse_args  # noqa: E402
+from torchtitan.config.parser import parse_args  # noqa: E402
 from torchtitan.models import MODEL_SPECS  # noqa: E402
 
 STEPS, LOG_FREQ = 30, 10

@@ -1,14 +1,16 @@
-"""scripts/benchmark.py's memory parts: FSDP's per-rank state, and the chunked loss's peak and time."""
+"""scripts/benchmark.py's memory rows: FSDP's per-rank state, and the chunked loss's peak and time."""
 
 import os
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from benchmark_step import TRAIN_ARGS, ms, step_ratio
 
-from torchtitan.config_parser import parse_args
+from torchtitan.config.parser import parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 ON_GPU = torch.cuda.is_available()
@@ -16,7 +18,7 @@ ON_GPU = torch.cuda.is_available()
 
 def fsdp_memory(train_args: list[str]) -> dict:
     """Bytes of the parameters, gradients and optimizer state this rank holds after a training step,
-    built by the trainer's own parallelize_llama and build_optimizer (FSDP over all ranks)."""
+    built by the trainer's own parallelize and build_optimizer (FSDP over all ranks)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -24,7 +26,7 @@ def fsdp_memory(train_args: list[str]) -> dict:
     from torchtitan.models import build_model_args, model_spec
     from torchtitan.optimizer import build_optimizer
     from torchtitan.parallelisms.parallel_dims import ParallelDims
-    from torchtitan.parallelisms.parallelize_llama import parallelize_llama
+    from torchtitan.parallelisms.parallelize import parallelize
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size > 1:
@@ -35,7 +37,7 @@ def fsdp_memory(train_args: list[str]) -> dict:
     with torch.device("meta"):
         model = model_spec(job_config.model).build(args)
     mesh = dims.build_mesh("cpu") if world_size > 1 else None
-    model = parallelize_llama(model, mesh, dims, job_config)
+    model = parallelize(model, mesh, dims, job_config)
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
     optimizer = build_optimizer(model, job_config.optimizer)
@@ -63,6 +65,7 @@ def fsdp_memory(train_args: list[str]) -> dict:
     return {"ranks": gathered}
 
 
+LOSS_CHUNK_TOKENS = 1024  # training.loss_chunk_tokens of the chunked-loss figures
 CHUNKED_LOSS_ARGS = ["--model.vocab_size", "128256", "--training.seq_len", "2048"]
 
 
@@ -94,3 +97,52 @@ def chunked_loss(train_args: list[str], chunk_tokens: int, steps: int = 3) -> di
         del step  # before the next one is built
     t = cfg.training
     return {**result, "logits_bytes": t.batch_size * t.seq_len * vocab_size_of(cfg) * 4}
+
+
+def part_fsdp_memory(tmp: str) -> dict:
+    return fsdp_memory(TRAIN_ARGS)
+
+
+def part_chunked_loss(tmp: str) -> dict:
+    return chunked_loss(TRAIN_ARGS, LOSS_CHUNK_TOKENS)
+
+
+def fsdp_memory_rows(run_part: Callable[..., dict], add: Callable[..., None]) -> None:
+    one, four = (
+        run_part("fsdp_memory")["ranks"],
+        run_part("fsdp_memory", 4)["ranks"],
+    )
+    total = [sum(r.values()) for r in four]
+    ratio = max(total) / sum(one[0].values())
+    add(
+        "FSDP memory scaling",
+        ratio,
+        "<= 0.30",
+        ratio <= 0.30,
+        f"largest rank of 4 holds {max(total) / 2**20:.2f} MiB of params+grads+optimizer state, "
+        f"1 rank {sum(one[0].values()) / 2**20:.2f} MiB",
+        {"world_size_1": one, "world_size_4": four},
+    )
+
+
+def chunked_loss_rows(run_part: Callable[..., dict], add: Callable[..., None]) -> None:
+    m = run_part("chunked_loss")
+    unfused, chunked = m["unfused"]["peak"], m["chunked"]["peak"]
+    add(
+        "chunked-loss memory",
+        chunked / unfused,
+        "saves >= logits",
+        unfused - chunked >= m["logits_bytes"],
+        f"peak {chunked / 2**30:.2f} GiB with {LOSS_CHUNK_TOKENS}-token chunks, {unfused / 2**30:.2f} GiB "
+        f"without: saves {(unfused - chunked) / 2**30:.2f} GiB, the fp32 logits are "
+        f"{m['logits_bytes'] / 2**30:.2f} GiB (2 x 2048 tokens, vocabulary 128256)",
+        m,
+    )
+    add(
+        "chunked-loss step time",
+        step_ratio(m["chunked"], m["unfused"]),
+        "(reported)",
+        True,
+        f"chunked {ms(m['chunked'])}, unfused {ms(m['unfused'])}",
+        m,
+    )

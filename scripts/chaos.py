@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from torchtitan.safe_dcp import read_checkpoint  # noqa: E402
+from torchtitan.checkpoint.safe_reader import read_checkpoint  # noqa: E402
 
 STEPS = 8
 COMM_TIMEOUT = 10  # comm.train_timeout_seconds: how long a survivor may wait on a dead rank

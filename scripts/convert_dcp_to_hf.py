@@ -21,13 +21,13 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, uninstalled
 
-from torchtitan.checkpoint import read_model_weights  # noqa: E402
-from torchtitan.checkpoint_folder import check_checkpoint  # noqa: E402
-from torchtitan.config_manager import ConfigError  # noqa: E402
+from torchtitan.checkpoint.folder import check_checkpoint  # noqa: E402
+from torchtitan.checkpoint.load import read_model_weights  # noqa: E402
+from torchtitan.config.options import ConfigError  # noqa: E402
+from torchtitan.config.paths import check_writable_folder  # noqa: E402
 from torchtitan.errors import run_with_exit_codes  # noqa: E402
 from torchtitan.models import MODEL_SPECS  # noqa: E402
 from torchtitan.models.spec import ModelArgs  # noqa: E402
-from torchtitan.paths import check_writable_folder  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

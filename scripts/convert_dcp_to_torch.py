@@ -5,7 +5,8 @@ step, RNG states), e.g. to inspect it or to load it without torch.distributed:
 
 Read it back with `torch.load("step-100.pt", weights_only=True)`. This does what
 `torch.distributed.checkpoint.format_utils.dcp_to_torch_save` does, but reads the checkpoint without
-unpickling anything other than plain data (torchtitan/safe_dcp.py), as it may come from anywhere.
+unpickling anything other than plain data (torchtitan/checkpoint/safe_reader.py), as it may come from
+anywhere.
 """
 
 import argparse
@@ -17,10 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, uninstalled
 
-from torchtitan.checkpoint_folder import check_checkpoint  # noqa: E402
+from torchtitan.checkpoint.folder import check_checkpoint  # noqa: E402
+from torchtitan.checkpoint.safe_reader import SafeReader, read_checkpoint  # noqa: E402
+from torchtitan.config.paths import check_output_file  # noqa: E402
 from torchtitan.errors import run_with_exit_codes  # noqa: E402
-from torchtitan.paths import check_output_file  # noqa: E402
-from torchtitan.safe_dcp import SafeReader, read_checkpoint  # noqa: E402
 
 
 def convert(checkpoint: str, output: str) -> None:

@@ -22,10 +22,10 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, uninstalled
 
-from torchtitan.config_manager import ConfigError  # noqa: E402
+from torchtitan.config.options import ConfigError  # noqa: E402
+from torchtitan.config.paths import check_file, check_folder, check_writable_folder  # noqa: E402
 from torchtitan.errors import run_with_exit_codes  # noqa: E402
 from torchtitan.models import MODEL_SPECS  # noqa: E402
-from torchtitan.paths import check_file, check_folder, check_writable_folder  # noqa: E402
 
 FIX = "give a Hugging Face model folder (config.json and *.safetensors)"
 # config.json's model_type -> the family's adapter (torchtitan/models/hf_convert.py).

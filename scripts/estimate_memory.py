@@ -2,7 +2,7 @@
 
     NGPU=64 python scripts/estimate_memory.py --job.config_file F [--section.key VALUE ...]
 
-builds the job's model and parallel layout with the trainer's own code (parallelize_llama) on fake
+builds the job's model and parallel layout with the trainer's own code (parallelisms.parallelize) on fake
 tensors, over a fake process group of NGPU ranks (default 8), runs a training step under torch's
 MemTracker and prints the peak of a steady-state step (the optimizer state already made), per
 rank, split into parameters, gradients, optimizer state and activations. Nothing is allocated and
@@ -38,8 +38,8 @@ import sys
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from torchtitan.config_manager import ConfigError  # noqa: E402
-from torchtitan.config_parser import parse_args  # noqa: E402
+from torchtitan.config.options import ConfigError  # noqa: E402
+from torchtitan.config.parser import parse_args  # noqa: E402
 from torchtitan.errors import run_with_exit_codes  # noqa: E402
 from torchtitan.memory_estimation.measure import measure  # noqa: E402
 from torchtitan.memory_estimation.report import estimate  # noqa: E402

@@ -19,14 +19,15 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from torchtitan.checkpoint import check_model_record, load_model_weights  # noqa: E402
-from torchtitan.checkpoint_folder import latest_checkpoint_path  # noqa: E402
-from torchtitan.config_manager import JobConfig, resolve_path  # noqa: E402
+from torchtitan.checkpoint.folder import latest_checkpoint_path  # noqa: E402
+from torchtitan.checkpoint.load import check_model_record, load_model_weights  # noqa: E402
+from torchtitan.config.options import JobConfig  # noqa: E402
+from torchtitan.config.paths import resolve_path  # noqa: E402
 from torchtitan.config_rules import check_layout  # noqa: E402
 from torchtitan.datasets.tokenizer import build_tokenizer  # noqa: E402
-from torchtitan.distributed import init_distributed  # noqa: E402
 from torchtitan.errors import EXIT_OK, bad_input  # noqa: E402
 from torchtitan.models import build_model_args, model_spec  # noqa: E402
+from torchtitan.parallelisms.distributed import init_distributed  # noqa: E402
 from torchtitan.reliability.entry import run_job  # noqa: E402
 from torchtitan.train_step import TrainStep, parallelize_model  # noqa: E402
 from torchtitan.validation import Validator  # noqa: E402

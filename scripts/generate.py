@@ -20,16 +20,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from torchtitan.checkpoint import check_model_record  # noqa: E402
-from torchtitan.checkpoint_folder import latest_checkpoint_path  # noqa: E402
-from torchtitan.config_manager import ConfigError, JobConfig, resolve_path  # noqa: E402
-from torchtitan.config_parser import parse_args  # noqa: E402
+from torchtitan.checkpoint.folder import latest_checkpoint_path  # noqa: E402
+from torchtitan.checkpoint.load import check_model_record  # noqa: E402
+from torchtitan.checkpoint.safe_reader import SafeLoadPlanner, SafeReader, saved_entries  # noqa: E402
+from torchtitan.config.options import ConfigError, JobConfig  # noqa: E402
+from torchtitan.config.parser import parse_args  # noqa: E402
+from torchtitan.config.paths import check_folder, resolve_path  # noqa: E402
 from torchtitan.datasets.tokenizer import AnyTokenizer, build_tokenizer  # noqa: E402
 from torchtitan.errors import bad_input, run_with_exit_codes  # noqa: E402
 from torchtitan.models import build_model_args, model_spec  # noqa: E402
-from torchtitan.paths import check_folder  # noqa: E402
 from torchtitan.reliability.preflight import check_model_files  # noqa: E402
-from torchtitan.safe_dcp import SafeLoadPlanner, SafeReader, saved_entries  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,9 +18,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from torchtitan.config_manager import ConfigError  # noqa: E402
+from torchtitan.config.options import ConfigError  # noqa: E402
+from torchtitan.config.paths import check_file, check_output_file  # noqa: E402
 from torchtitan.errors import run_with_exit_codes  # noqa: E402
-from torchtitan.paths import check_file, check_output_file  # noqa: E402
 
 # (metrics.jsonl key, panel title) for the 2 x 2 grid.
 PANELS = [

@@ -26,8 +26,9 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import datasets  # noqa: E402
 
-from torchtitan.config_manager import ConfigError, resolve_path  # noqa: E402
-from torchtitan.config_parser import parse_args  # noqa: E402
+from torchtitan.config.options import ConfigError  # noqa: E402
+from torchtitan.config.parser import parse_args  # noqa: E402
+from torchtitan.config.paths import resolve_path  # noqa: E402
 from torchtitan.datasets.pretokenized import pretokenize  # noqa: E402
 from torchtitan.datasets.sources import load_text_dataset  # noqa: E402
 from torchtitan.datasets.tokenizer import build_tokenizer  # noqa: E402

@@ -25,7 +25,7 @@ from torch.autograd import DeviceType
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from torchtitan.config_parser import parse_args  # noqa: E402
+from torchtitan.config.parser import parse_args  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Kernel-name fragments per category, first match wins.

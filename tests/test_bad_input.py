@@ -21,9 +21,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from launch import ROOT, TINY_JOB, run_train_in_process
 
-from torchtitan.checkpoint_checksums import MANIFEST
+from torchtitan.checkpoint.checksums import MANIFEST
+from torchtitan.checkpoint.safe_reader import SafeLoadPlanner, SafeReader, read_checkpoint
 from torchtitan.datasets.pretokenized import pretokenize
-from torchtitan.safe_dcp import SafeLoadPlanner, SafeReader, read_checkpoint
 
 CKPT = ["--checkpoint.enable_checkpoint", "true"]
 

@@ -10,8 +10,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchtitan.checkpoint import CheckpointManager, TrainState, check_model_record, saved_entries
-from torchtitan.config_manager import CheckpointConfig, ConfigError, JobConfig
+from torchtitan.checkpoint.load import check_model_record
+from torchtitan.checkpoint.manager import CheckpointManager
+from torchtitan.checkpoint.safe_reader import saved_entries
+from torchtitan.checkpoint.state import TrainState
+from torchtitan.config.options import CheckpointConfig, ConfigError, JobConfig
 from torchtitan.models.llama import ModelArgs
 from torchtitan.models.llama.model import Transformer
 from torchtitan.optimizer import build_lr_scheduler, build_optimizer

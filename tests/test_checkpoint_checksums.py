@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from test_checkpoint import Run, assert_same
 
-from torchtitan.checkpoint_checksums import MANIFEST, file_checksum
-from torchtitan.config_manager import ConfigError
+from torchtitan.checkpoint.checksums import MANIFEST, file_checksum
+from torchtitan.config.options import ConfigError
 from torchtitan.logging import logger
 
 

@@ -16,8 +16,8 @@ import torch
 from launch import losses, read_metrics, run_train
 from test_checkpoint import Run, folder_names
 
-from torchtitan.checkpoint_checksums import ChecksumWriter
-from torchtitan.config_manager import JobConfig
+from torchtitan.checkpoint.checksums import ChecksumWriter
+from torchtitan.config.options import JobConfig
 from torchtitan.errors import CheckpointWriteError
 from torchtitan.logging import logger
 from torchtitan.metrics import MetricLogger

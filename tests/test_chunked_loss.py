@@ -16,7 +16,7 @@ from scripts.parity_matrix import (
     ep,
     run_layout,
 )
-from torchtitan.config_parser import parse_args
+from torchtitan.config.parser import parse_args
 from torchtitan.config_rules import check_layout
 from torchtitan.models.llama import ModelArgs
 from torchtitan.parallelisms.parallel_dims import ParallelDims

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan.config_manager import ConfigError, JobConfig, default_of
-from torchtitan.config_parser import parse_args
+from torchtitan.config.options import ConfigError, JobConfig, default_of
+from torchtitan.config.parser import parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from scripts import convert_dcp_to_hf, convert_dcp_to_torch, convert_hf_to_dcp
-from torchtitan.checkpoint import read_model_weights
-from torchtitan.config_manager import ConfigError
+from torchtitan.checkpoint.load import read_model_weights
+from torchtitan.config.options import ConfigError
 from torchtitan.models import MODEL_SPECS
 from torchtitan.models.llama import ModelArgs
 from torchtitan.models.llama.hf_convert import halves_to_interleaved, interleaved_to_halves

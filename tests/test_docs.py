@@ -3,6 +3,7 @@
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 from launch import ROOT
 
@@ -17,7 +18,7 @@ def test_config_reference_is_generated_from_the_declarations():
 
 
 def test_config_reference_lists_every_option():
-    from torchtitan.config_manager import JobConfig
+    from torchtitan.config.options import JobConfig
 
     text = (ROOT / "docs" / "config_reference.md").read_text()
     for section, options in JobConfig().to_dict().items():
@@ -40,3 +41,23 @@ def test_relative_links_in_the_docs_resolve():
     for page in pages:
         for target in re.findall(r"\]\(([^)#:]+)\)", page.read_text()):
             assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
+
+
+def heading_anchors(page: Path) -> set[str]:
+    """The #anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+
+
+def test_every_link_and_anchor_in_the_docs_resolves():
+    """Every relative link of README.md and docs/, #anchors included (the test above skips links with
+    one): its file is there and, for a Markdown page, so is the heading the anchor names."""
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target, anchor in re.findall(r"\]\((?![a-z]+:)([^)#\s]*)(?:#([^)\s]*))?\)", page.read_text()):
+            path = (page.parent / target) if target else page
+            if not path.exists():
+                broken.append(f"{page.name} links to missing {target}")
+            elif anchor and path.suffix == ".md" and anchor not in heading_anchors(path):
+                broken.append(f"{page.name} links to {target}#{anchor}, a heading {path.name} lacks")
+    assert not broken, "\n".join(broken)

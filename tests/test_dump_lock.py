@@ -13,7 +13,7 @@ from dataclasses import asdict
 import pytest
 from launch import ROOT, TINY_JOB, read_metrics, run_train_in_process
 
-from torchtitan.config_manager import ConfigError
+from torchtitan.config.options import ConfigError
 from torchtitan.reliability.dump_lock import (
     LOCK_NAME,
     STALE_SECONDS,

@@ -14,7 +14,7 @@ from launch import ROOT, TINY_JOB
 from test_convert import random_model
 
 from scripts import convert_dcp_to_hf, convert_hf_to_dcp
-from torchtitan.config_parser import parse_args
+from torchtitan.config.parser import parse_args
 from torchtitan.datasets.build import DataSource, build_dataset
 from torchtitan.datasets.layout import BatchLayout
 from torchtitan.datasets.loader import DataLoader

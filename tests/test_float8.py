@@ -10,9 +10,10 @@ import pytest
 import torch
 from launch import ROOT, TINY_JOB, run_train_in_process
 
-from torchtitan.config_manager import ConfigError, JobConfig
-from torchtitan.config_parser import parse_args
-from torchtitan.config_rules import TORCHAO_REQUIREMENT, check_float8, parallel_dims_of
+from torchtitan.config.options import ConfigError, JobConfig
+from torchtitan.config.parser import parse_args
+from torchtitan.config_rules import check_float8, parallel_dims_of
+from torchtitan.errors import TORCHAO_REQUIREMENT
 from torchtitan.models import build_model_args
 from torchtitan.models.llama import ModelArgs
 from torchtitan.models.llama.model import Transformer

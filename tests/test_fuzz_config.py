@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from launch import ROOT
 
-from torchtitan.config_manager import ConfigError
-from torchtitan.config_parser import _base_type, _option_table, parse_args
+from torchtitan.config.options import ConfigError
+from torchtitan.config.parser import _base_type, _option_table, parse_args
 from torchtitan.reliability.preflight import check_job
 
 OPTIONS = _option_table()

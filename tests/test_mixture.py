@@ -19,7 +19,7 @@ from conftest import TEXT_DOCS, TOKEN_DOCS
 from launch import TINY_JOB, read_metrics, run_train_in_process  # noqa: E402
 from test_data import all_equal, global_batches, rank_loaders, reference_batches, token_stream  # noqa: E402
 
-from torchtitan.config_manager import ConfigError, TrainingConfig  # noqa: E402
+from torchtitan.config.options import ConfigError, TrainingConfig  # noqa: E402
 from torchtitan.config_rules import mixture_sources  # noqa: E402
 from torchtitan.datasets.build import DataSource  # noqa: E402
 from torchtitan.datasets.layout import micro_batch_rows  # noqa: E402

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from scripts import convert_dcp_to_hf, convert_hf_to_dcp
-from torchtitan.checkpoint import read_model_weights
-from torchtitan.config_manager import MoEConfig
+from torchtitan.checkpoint.load import read_model_weights
+from torchtitan.config.options import MoEConfig
 from torchtitan.load_balance import LoadBalance
 from torchtitan.models import MODEL_SPECS
 from torchtitan.models.moe import GroupedExperts, MoE, grouped_mm
@@ -131,7 +131,7 @@ def test_moe_blocks_compile_whole():
     """Without expert parallelism a Qwen3-MoE block compiles as one graph (fullgraph: router, dispatch,
     grouped experts, combine), activation-checkpointed too, and trains as eager does; its tokens are
     counted once, though checkpointing recomputes the forward."""
-    from torchtitan.parallelisms.parallelize_llama import apply_ac, apply_compile
+    from torchtitan.parallelisms.parallelize import apply_ac, apply_compile
 
     models = []
     for compiled in (False, True):

@@ -11,7 +11,7 @@ from launch import read_metrics, run_train
 
 from scripts import chaos
 from scripts.parity_matrix import QWEN3_MOE, ep
-from torchtitan.checkpoint import read_model_weights
+from torchtitan.checkpoint.load import read_model_weights
 
 MOE = [*QWEN3_MOE, "--moe.bias_update_rate", "0.01", "--validation.enable", "false"]
 STEPS = ["--training.steps", "8", "--checkpoint.enable_checkpoint", "true", *MOE]

@@ -22,12 +22,11 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchtitan.datasets.tokenizer
-import torchtitan.distributed
+import torchtitan.parallelisms.distributed
 from torchtitan.chunked_loss import chunked_cross_entropy
-from torchtitan.config_manager import JobConfig, MoEConfig
-from torchtitan.config_parser import parse_args
+from torchtitan.config.options import JobConfig, MoEConfig
+from torchtitan.config.parser import parse_args
 from torchtitan.config_rules import gradient_accumulation_steps
-from torchtitan.distributed import clip_grad_norm_
 from torchtitan.load_balance import LoadBalance
 from torchtitan.models.init import clean_fqn
 from torchtitan.models.llama import ModelArgs
@@ -37,13 +36,9 @@ from torchtitan.models.qwen3 import Qwen3ModelArgs
 from torchtitan.models.qwen3.model import Transformer as Qwen3Transformer
 from torchtitan.models.qwen3_moe import Qwen3MoeModelArgs
 from torchtitan.models.qwen3_moe.model import Transformer as Qwen3MoeTransformer
+from torchtitan.parallelisms.distributed import clip_grad_norm_
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.parallelize_llama import (
-    apply_ac,
-    apply_compile,
-    parallelize_llama,
-    set_grad_all_reduce,
-)
+from torchtitan.parallelisms.parallelize import apply_ac, apply_compile, parallelize, set_grad_all_reduce
 from torchtitan.train_step import TrainStep, parallelize_model
 
 TINY = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=16)
@@ -168,7 +163,7 @@ def test_impossible_layout_fails_before_any_work(monkeypatch, capsys, world_size
 
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     init = lambda timeout: (world_size, 0, torch.device("cpu"))  # noqa: E731
-    monkeypatch.setattr(torchtitan.distributed, "init_distributed", init)
+    monkeypatch.setattr(torchtitan.parallelisms.distributed, "init_distributed", init)
     monkeypatch.setattr(ParallelDims, "build_mesh", too_late)
     monkeypatch.setattr(torchtitan.datasets.tokenizer, "Tokenizer", too_late)
     assert run_train_in_process(*TINY_JOB, *argv) == 2
@@ -261,7 +256,7 @@ def _build(args: ModelArgs, world_mesh, dims: ParallelDims, config: JobConfig, c
     with torch.device("meta"):
         model = cls(args)
     if world_mesh is not None:
-        parallelize_llama(model, world_mesh, dims, config)
+        parallelize(model, world_mesh, dims, config)
     model.to_empty(device="cpu")
     model.init_weights(SEED)
     return model

@@ -19,7 +19,7 @@ from test_evaluate import load_evaluate
 from test_tools import load_script
 
 from scripts import convert_dcp_to_hf, convert_dcp_to_torch, convert_hf_to_dcp
-from torchtitan.config_parser import parse_args
+from torchtitan.config.parser import parse_args
 
 SCRIPTS = {
     "convert_dcp_to_hf": convert_dcp_to_hf.main,

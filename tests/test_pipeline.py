@@ -7,14 +7,14 @@ import torch
 from launch import VALIDATION, read_metrics, run_train, validation_losses
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from torchtitan.checkpoint import merge_model_parts
-from torchtitan.config_manager import ConfigError, JobConfig, ParallelismConfig, default_of
-from torchtitan.config_parser import parse_args
+from torchtitan.checkpoint.state import merge_model_parts
+from torchtitan.config.options import ConfigError, JobConfig, ParallelismConfig, default_of
+from torchtitan.config.parser import parse_args
 from torchtitan.config_rules import check_pipeline
 from torchtitan.models.llama import ModelArgs
 from torchtitan.models.llama.model import Transformer
+from torchtitan.parallelisms.pipeline import split_model
 from torchtitan.parallelisms.pipeline_layout import SINGLE_STAGE_SCHEDULES, stage_ids, stage_layers
-from torchtitan.parallelisms.pipeline_llama import split_model
 
 TINY = ModelArgs(dim=32, n_layers=6, n_heads=4, vocab_size=64, multiple_of=16, max_seq_len=16)
 

@@ -23,15 +23,15 @@ from torch.distributed.checkpoint.utils import _wrap_exception
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from scripts import chaos
-from torchtitan.config_manager import CommConfig
-from torchtitan.config_parser import parse_args
+from torchtitan.checkpoint.safe_reader import read_checkpoint
+from torchtitan.config.options import CommConfig
+from torchtitan.config.parser import parse_args
 from torchtitan.errors import EXIT_DATA, EXIT_PREEMPTED, comm_failure_message
 from torchtitan.reliability import launcher as launcher_module
 from torchtitan.reliability.dump_lock import LOCK_NAME
 from torchtitan.reliability.entry import StoppedEarly, stopped_early, stopped_early_line
 from torchtitan.reliability.guards import StopRequest
 from torchtitan.reliability.launcher import LAUNCHER_PID_ENV
-from torchtitan.safe_dcp import read_checkpoint
 
 HOOKS = ROOT / "tests" / "hooks"  # test-only behaviour of launched trainers (its sitecustomize.py)
 # The jobs here are scripts/chaos.py's without the validation pass over the whole held-out split that

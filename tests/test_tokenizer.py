@@ -7,8 +7,8 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import processors
 
-from torchtitan.config_manager import ConfigError
-from torchtitan.config_parser import parse_args
+from torchtitan.config.options import ConfigError
+from torchtitan.config.parser import parse_args
 from torchtitan.datasets.hf_tokenizer import HFTokenizer
 from torchtitan.datasets.tokenizer import SPECIAL_TOKENS, Tokenizer, build_tokenizer, load_bpe_ranks
 from torchtitan.models import build_model_args

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 from launch import ROOT, TINY_JOB, VALIDATION, run_train_in_process
 from test_convert import random_model
 
-from torchtitan.config_parser import parse_args
+from torchtitan.config.parser import parse_args
 from torchtitan.models import build_model_args
 
 

@@ -8,7 +8,9 @@ raises a ConfigError naming the first bad option and the fix."""
 import math
 import os
 
-from torchtitan.config_manager import ConfigError, JobConfig, LRSchedulerConfig, TrainingConfig, resolve_path
+from torchtitan.config.options import ConfigError, JobConfig, LRSchedulerConfig, TrainingConfig
+from torchtitan.config.paths import resolve_path
+from torchtitan.errors import torchao_missing
 from torchtitan.models import flavor_args, model_spec
 from torchtitan.models.spec import ModelArgs
 from torchtitan.parallelisms.parallel_dims import ParallelDims
@@ -53,13 +55,6 @@ def gradient_accumulation_steps(training_config: TrainingConfig, parallel_dims: 
             "raise parallelism.pipeline_parallel_microbatches and training.batch_size instead"
         )
     return global_batch_size // per_pass
-
-
-def loss_skips_output(training_config: TrainingConfig) -> bool:
-    """With a chunked loss (training.loss_chunk_tokens) the model stops at its final norm (`skip_output`)
-    and the loss projects the hidden states by the output weight itself, a chunk at a time
-    (chunked_loss.py): FSDP then keeps the root's parameters, that weight among them, after the forward."""
-    return training_config.loss_chunk_tokens > 0
 
 
 def check_parallelism(job_config: JobConfig, parallel_dims: ParallelDims, model_args: ModelArgs) -> None:
@@ -117,7 +112,7 @@ def check_moe(job_config: JobConfig, parallel_dims: ParallelDims, model_args: Mo
     """Expert parallelism splits a mixture-of-experts model's experts evenly; what such a model cannot run
     with yet: TP without FSDP (its layers' gradients are summed over the tp ranks by FSDP), and its
     auxiliary loss under PP with replicas alone (the stages pass its statistics on through FSDP's
-    unit, parallelisms/pipeline_llama.py)."""
+    unit, parallelisms/pipeline.py)."""
     name = job_config.model.name
     if not model_spec(job_config.model).moe:
         if parallel_dims.ep_enabled:
@@ -260,9 +255,6 @@ def check_device(job_config: JobConfig, parallel_dims: ParallelDims, device_type
 
 # Float8 matmuls (torch._scaled_mm) need Ada (8.9) or Hopper (9.0) tensor cores, or newer.
 FLOAT8_MIN_CUDA_CAPABILITY = (8, 9)
-# The torchao that scripts/install.sh installs on GPU machines (requirements-gpu.txt, pyproject's
-# `float8` extra): the newest on PyPI when this was written, whose own check asks for torch >= 2.11.
-TORCHAO_REQUIREMENT = "torchao==0.18.0"
 
 
 def check_float8(
@@ -313,14 +305,6 @@ def check_float8(
 
 def float8_capability_name() -> str:
     return ".".join(map(str, FLOAT8_MIN_CUDA_CAPABILITY))
-
-
-def torchao_missing(reason: str = "torchao is not installed") -> str:
-    """The one-line error for a missing (or unimportable) torchao."""
-    return (
-        f"float8.enable_float8_linear: needs torchao, and {reason}; install it with "
-        f"`pip install {TORCHAO_REQUIREMENT}` (scripts/install.sh does on a GPU machine) or set it to false"
-    )
 
 
 def check_layout(

@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
-from torchtitan.config_manager import CommConfig, ConfigError
+from torchtitan.config.options import CommConfig, ConfigError
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -94,6 +94,19 @@ def bad_input(option: str) -> Iterator[None]:
             raise
         detail = str(e) if cause is e else f"{e}: {cause}"
         raise ConfigError(f"{option}: {' '.join(detail.split())}") from e
+
+
+# The torchao that scripts/install.sh installs on GPU machines (requirements-gpu.txt, pyproject's
+# `float8` extra): the newest on PyPI when this was written, whose own check asks for torch >= 2.11.
+TORCHAO_REQUIREMENT = "torchao==0.18.0"
+
+
+def torchao_missing(reason: str = "torchao is not installed") -> str:
+    """The one-line error for a missing (or unimportable) torchao."""
+    return (
+        f"float8.enable_float8_linear: needs torchao, and {reason}; install it with "
+        f"`pip install {TORCHAO_REQUIREMENT}` (scripts/install.sh does on a GPU machine) or set it to false"
+    )
 
 
 _TIMED_OUT_MS = re.compile(r"Timed out waiting (\d+)ms")

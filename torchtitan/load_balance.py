@@ -15,14 +15,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtitan.config_manager import MoEConfig
+from torchtitan.config.options import MoEConfig
 from torchtitan.models.moe import MoE
 
 
 class LoadBalance:
     """The MoE layers of this rank's model parts and what balances them; `dp`: the data-parallel mesh
     (None without data parallelism), `pp`: the pipeline mesh, `tp`: the tensor-parallel mesh, whose
-    ranks each route their own sequence shard of the batch (parallelize_llama.llama_block_plan)."""
+    ranks each route their own sequence shard of the batch (torchtitan/models/llama/tp_plan.py)."""
 
     def __init__(
         self,

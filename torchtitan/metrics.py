@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.options import JobConfig
 from torchtitan.logging import logger
 from torchtitan.models import spec
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from torchtitan.config_manager import LRSchedulerConfig, OptimizerConfig
+from torchtitan.config.options import LRSchedulerConfig, OptimizerConfig
 
 
 def build_optimizer(

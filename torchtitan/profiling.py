@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.profiler import ProfilerActivity
 
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.options import JobConfig
 from torchtitan.logging import logger
 
 # Steps run under the profiler, unrecorded, before the recorded one: its first steps are slow.

@@ -14,14 +14,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from torchtitan.chunked_loss import chunked_cross_entropy
-from torchtitan.config_manager import JobConfig, TrainingConfig
-from torchtitan.config_rules import gradient_accumulation_steps, loss_skips_output
+from torchtitan.config.options import JobConfig, TrainingConfig
+from torchtitan.config_rules import gradient_accumulation_steps
 from torchtitan.load_balance import LoadBalance
 from torchtitan.parallelisms.context_parallel import shard_sequence
 from torchtitan.parallelisms.float8 import convert_to_float8
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.parallelize_llama import DTYPES, parallelize_llama, set_grad_all_reduce
-from torchtitan.parallelisms.pipeline_llama import Pipeline, StageIO, pipeline_llama
+from torchtitan.parallelisms.parallelize import DTYPES, loss_skips_output, parallelize, set_grad_all_reduce
+from torchtitan.parallelisms.pipeline import Pipeline, StageIO, build_pipeline
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids, labels), both (batch, seq_len)
 
@@ -45,7 +45,7 @@ def autocast_context(
     training_config: TrainingConfig, device: torch.device
 ) -> contextlib.AbstractContextManager:
     """The matmuls in `mixed_precision_param`, everything else in fp32, on every layout: under FSDP/DDP
-    the blocks' weights arrive in that dtype already (parallelize_llama.mixed_precision_policies)."""
+    the blocks' weights arrive in that dtype already (parallelize.mixed_precision_policies)."""
     param_dtype = DTYPES[training_config.mixed_precision_param]
     if param_dtype != torch.float32:
         return torch.autocast(device.type, dtype=param_dtype)
@@ -61,16 +61,16 @@ def parallelize_model(
     stage_io: StageIO | None = None,
 ) -> tuple[list[nn.Module], Pipeline | None]:
     """The modules this rank runs (its pipeline stages, or the whole model), parallelized, and its
-    pipeline (None without PP); still on the meta device. `stage_io`: see pipeline_llama. With
+    pipeline (None without PP); still on the meta device. `stage_io`: see build_pipeline. With
     `float8.enable_float8_linear`, the whole model's linear layers are converted to float8 first."""
     convert_to_float8(model, job_config, parallel_dims)
     if parallel_dims.pp_enabled:
         stage_loss = functools.partial(stage_loss_fn, chunk_tokens=job_config.training.loss_chunk_tokens)
-        pipeline, model_parts = pipeline_llama(
+        pipeline, model_parts = build_pipeline(
             model, world_mesh, parallel_dims, job_config, device, stage_loss, stage_io
         )
         return model_parts, pipeline
-    return [parallelize_llama(model, world_mesh, parallel_dims, job_config)], None
+    return [parallelize(model, world_mesh, parallel_dims, job_config)], None
 
 
 class TrainStep:

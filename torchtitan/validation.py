@@ -13,14 +13,14 @@ import math
 import time
 from dataclasses import dataclass
 
-from torchtitan.config_manager import ConfigError, JobConfig
+from torchtitan.config.options import ConfigError, JobConfig
 from torchtitan.datasets.build import DataSource, build_dataset
 from torchtitan.datasets.layout import BatchLayout
 from torchtitan.datasets.loader import DataLoader
 from torchtitan.datasets.tokenizer import AnyTokenizer
-from torchtitan.distributed import dist_min, global_mean_loss
 from torchtitan.errors import bad_input
 from torchtitan.models import vocab_size
+from torchtitan.parallelisms.distributed import dist_min, global_mean_loss
 from torchtitan.parallelisms.parallel_dims import Meshes
 from torchtitan.train_step import TrainStep
 

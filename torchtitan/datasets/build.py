@@ -4,7 +4,7 @@ picked from where the data is; every kind lays its rows out as layout.py says.""
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from torchtitan.config_manager import TrainingConfig
+from torchtitan.config.options import TrainingConfig
 from torchtitan.config_rules import mixture_sources
 from torchtitan.datasets.layout import BatchLayout
 from torchtitan.datasets.loader import DataLoader

@@ -30,7 +30,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
-from torchtitan.config_manager import ConfigError
+from torchtitan.config.options import ConfigError
 from torchtitan.datasets.layout import Batch, BatchLayout, StepCursor, warn_relooped
 from torchtitan.datasets.pretokenized import TokenWindows, WindowOrder, splitmix64
 from torchtitan.datasets.streams import TextStreams

@@ -35,7 +35,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
-from torchtitan.config_manager import ConfigError
+from torchtitan.config.options import ConfigError
 from torchtitan.datasets.hf_tokenizer import tokenizer_file
 from torchtitan.datasets.layout import Batch, BatchLayout, StepCursor, warn_relooped
 from torchtitan.logging import logger

@@ -6,7 +6,7 @@ from pathlib import Path
 import datasets
 from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patterns
 
-from torchtitan.config_manager import REPO_ROOT, path_candidates, resolve_path
+from torchtitan.config.paths import REPO_ROOT, path_candidates, resolve_path
 from torchtitan.datasets.registry import DATASETS, DatasetSpec
 
 # File suffix -> HF `datasets` builder. Compressed copies (e.g. C4's *.json.gz shards) work too.

@@ -8,12 +8,12 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, record_function
 
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.options import JobConfig
 from torchtitan.config_rules import check_layout
-from torchtitan.distributed import init_distributed
 from torchtitan.memory_estimation.report import layout_of, row
 from torchtitan.memory_estimation.step import SimulatedStep, build_step, vocab_size_of
 from torchtitan.memory_estimation.torch_internals import kineto_events
+from torchtitan.parallelisms.distributed import init_distributed
 
 
 def cpu_peak(prof: torch.profiler.profile, window: str) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.options import JobConfig
 from torchtitan.memory_estimation.snapshots import Snapshot, highest, minus, plus
 from torchtitan.memory_estimation.torch_internals import MemTracker, traced_schedule_actions
 from torchtitan.parallelisms.pipeline_layout import stage_ids, stage_layers

@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from torchtitan.config_manager import ConfigError, JobConfig
+from torchtitan.config.options import ConfigError, JobConfig
 from torchtitan.config_rules import check_layout
 from torchtitan.memory_estimation.simulate import estimate_ranks
 from torchtitan.memory_estimation.step import vocab_size_of

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining.schedules import get_schedule_class
 
-from torchtitan.config_manager import JobConfig
+from torchtitan.config.options import JobConfig
 from torchtitan.memory_estimation.pipeline import (
     PROFILED_MICROBATCHES,
     TracedAction,

@@ -8,20 +8,20 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from torchtitan.config_manager import ConfigError, JobConfig, resolve_path
-from torchtitan.config_rules import loss_skips_output
+from torchtitan.config.options import ConfigError, JobConfig
+from torchtitan.config.paths import resolve_path
 from torchtitan.datasets.tokenizer import build_tokenizer
-from torchtitan.distributed import clip_grad_norm_
 from torchtitan.errors import bad_input
 from torchtitan.load_balance import LoadBalance
 from torchtitan.memory_estimation.torch_internals import FakeTensorMode
 from torchtitan.models import build_model_args, model_spec
 from torchtitan.models import vocab_size as padded_vocab_size
 from torchtitan.optimizer import build_optimizer
+from torchtitan.parallelisms.distributed import clip_grad_norm_
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.parallelize_llama import parallelize_llama
+from torchtitan.parallelisms.parallelize import loss_skips_output, parallelize
+from torchtitan.parallelisms.pipeline import StageIO, split_model
 from torchtitan.parallelisms.pipeline_layout import num_microbatches, stage_layers
-from torchtitan.parallelisms.pipeline_llama import StageIO, split_model
 from torchtitan.train_step import TrainStep, autocast_context, parallelize_model
 
 
@@ -61,7 +61,7 @@ def pipeline_stage_io(
     # Under context parallelism the stages carry the rank's share of each sequence.
     tokens_per_rank = cfg.training.seq_len // parallel_dims.cp
     microbatch = (cfg.training.batch_size // num_microbatches(cfg, len(layers)), tokens_per_rank)
-    probe = parallelize_llama(split_model(model, range(0), True, True), world_mesh, parallel_dims, cfg)
+    probe = parallelize(split_model(model, range(0), True, True), world_mesh, parallel_dims, cfg)
     boundary = []
     probe.tok_embeddings.register_forward_hook(lambda module, args, output: boundary.append(output))
     with fake_mode:

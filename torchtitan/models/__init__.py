@@ -5,7 +5,7 @@ Torch-free, so that the preflight checks a flavour and its shape before any work
 
 from dataclasses import replace
 
-from torchtitan.config_manager import ConfigError, JobConfig, ModelConfig
+from torchtitan.config.options import ConfigError, JobConfig, ModelConfig
 from torchtitan.models.llama import llama2_configs, llama3_configs
 from torchtitan.models.qwen3 import qwen3_configs
 from torchtitan.models.qwen3_moe import moe_flops_per_token, qwen3_moe_configs
@@ -17,7 +17,7 @@ def _llama(name: str, flavors: dict) -> ModelSpec:
         name=name,
         flavors=flavors,
         model="torchtitan.models.llama.model:Transformer",
-        tp_plan="torchtitan.parallelisms.parallelize_llama:llama_block_plan",
+        tp_plan="torchtitan.models.llama.tp_plan:llama_block_plan",
         hf_adapter="torchtitan.models.llama.hf_convert",
         hf_architecture="LlamaForCausalLM",
     )
@@ -30,7 +30,7 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         name="qwen3",
         flavors=qwen3_configs,
         model="torchtitan.models.qwen3.model:Transformer",
-        tp_plan="torchtitan.parallelisms.qwen3:qwen3_block_plan",
+        tp_plan="torchtitan.models.qwen3.tp_plan:qwen3_block_plan",
         hf_adapter="torchtitan.models.qwen3.hf_convert",
         hf_architecture="Qwen3ForCausalLM",
     ),
@@ -38,7 +38,7 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         name="qwen3_moe",
         flavors=qwen3_moe_configs,
         model="torchtitan.models.qwen3_moe.model:Transformer",
-        tp_plan="torchtitan.parallelisms.qwen3:qwen3_block_plan",
+        tp_plan="torchtitan.models.qwen3.tp_plan:qwen3_block_plan",
         hf_adapter="torchtitan.models.qwen3_moe.hf_convert",
         hf_architecture="Qwen3MoeForCausalLM",
         flops_per_token=moe_flops_per_token,

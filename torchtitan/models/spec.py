@@ -58,9 +58,10 @@ class ModelSpec:
     """One model family. The string fields are "module:attribute" references to torch code:
 
     - `model`: the nn.Module class, built as `cls(model_args)`;
-    - `tp_plan`: `plan(block, float8_tensorwise) -> {submodule FQN: ParallelStyle}`, a block's
-      tensor-parallel plan (the root's embeddings, final norm and output are shared,
-      torchtitan/parallelisms/parallelize_llama.py);
+    - `tp_plan`: `plan(block, styles) -> {submodule FQN: ParallelStyle}`, a block's tensor-parallel
+      plan (the family's `tp_plan.py`), building each module's styles from the classes `styles(module)`
+      gives, torch's or torchao's float8 ones (the root's embeddings, final norm and output are shared,
+      torchtitan/parallelisms/parallelize.py);
     - `hf_adapter`: a module with `MODEL_TYPE` (config.json's "model_type"), `to_hf(state_dict,
       model_args)`, `from_hf(state_dict, hf_config)` and `hf_config(model_args, state_dict,
       max_position_embeddings, dtype)` (config.json less "architectures", `hf_architecture`), between

@@ -14,8 +14,8 @@ the options, the device and torchao's presence are torchtitan/config_rules.py's 
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-from torchtitan.config_manager import ConfigError, Float8Config, JobConfig
-from torchtitan.config_rules import torchao_missing
+from torchtitan.config.options import ConfigError, Float8Config, JobConfig
+from torchtitan.errors import torchao_missing
 from torchtitan.logging import logger
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 

@@ -1,11 +1,11 @@
 """How a pipeline-parallel job splits its layers: stages, the stages each rank holds, micro-batches.
 
 Plain arithmetic on the configuration, without torch, so the preflight checks a pipeline layout
-before any worker starts; torchtitan/parallelisms/pipeline_llama.py builds the stages from it."""
+before any worker starts; torchtitan/parallelisms/pipeline.py builds the stages from it."""
 
 import re
 
-from torchtitan.config_manager import ConfigError, JobConfig
+from torchtitan.config.options import ConfigError, JobConfig
 
 # Schedules whose two stages per rank form a V: rank r holds stages r and 2 * pp - 1 - r, so the
 # last stage sits next to the first and the loss gradient turns around without a hop.

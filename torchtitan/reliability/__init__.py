@@ -8,6 +8,7 @@
 - guards.py: in the loop, preemption (save and stop) and non-finite steps.
 
 The exit codes and the one-line error contract are torchtitan/errors.py's, the path rules
-torchtitan/paths.py's and checkpoint reading that runs no code torchtitan/safe_dcp.py's, outside this
-package: the layers listed before reliability in docs/architecture.md use them, and import nothing from
-here. Importing this package, preflight or launcher does not import torch."""
+torchtitan/config/paths.py's and checkpoint reading that runs no code
+torchtitan/checkpoint/safe_reader.py's, outside this package: the layers listed before reliability in
+docs/architecture.md use them, and import nothing from here. Importing this package, preflight or
+launcher does not import torch."""

@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 
-from torchtitan.config_manager import ConfigError
+from torchtitan.config.options import ConfigError
 from torchtitan.logging import logger
 
 LOCK_NAME = ".titan.lock"

@@ -21,9 +21,9 @@ from types import FrameType
 
 import torch.distributed as dist
 
-from torchtitan.checkpoint_folder import checkpoint_folder, list_checkpoints
-from torchtitan.config_manager import JobConfig
-from torchtitan.config_parser import parse_args
+from torchtitan.checkpoint.folder import checkpoint_folder, list_checkpoints
+from torchtitan.config.options import JobConfig
+from torchtitan.config.parser import parse_args
 from torchtitan.datasets.loader import PR_SET_PDEATHSIG, worker_failures_in_one_line
 from torchtitan.errors import EXIT_PREEMPTED, run_with_exit_codes
 from torchtitan.logging import init_logger, logger

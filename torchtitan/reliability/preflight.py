@@ -8,20 +8,21 @@ import os
 import subprocess
 import sys
 
-from torchtitan.checkpoint_folder import check_initial_load_path, check_load_step, checkpoint_folder
-from torchtitan.config_manager import ConfigError, JobConfig, resolve_path
-from torchtitan.config_parser import parse_args
-from torchtitan.config_rules import check_float8, check_layout, check_lr_schedule, mixture_sources
-from torchtitan.datasets.registry import DATASETS
-from torchtitan.errors import EXIT_BAD_INPUT, EXIT_OK, debug_enabled
-from torchtitan.models import flavor_args
-from torchtitan.paths import (
+from torchtitan.checkpoint.folder import check_initial_load_path, check_load_step, checkpoint_folder
+from torchtitan.config.options import ConfigError, JobConfig
+from torchtitan.config.parser import parse_args
+from torchtitan.config.paths import (
     check_dataset_path,
     check_file,
     check_folder,
     check_writable_folder,
+    resolve_path,
     shown,
 )
+from torchtitan.config_rules import check_float8, check_layout, check_lr_schedule, mixture_sources
+from torchtitan.datasets.registry import DATASETS
+from torchtitan.errors import EXIT_BAD_INPUT, EXIT_OK, debug_enabled
+from torchtitan.models import flavor_args
 from torchtitan.reliability.dump_lock import check_unlocked
 
 

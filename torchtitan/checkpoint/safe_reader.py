@@ -19,7 +19,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from torchtitan.config_manager import ConfigError
+from torchtitan.config.options import ConfigError
 
 # (module, name) that a DCP .metadata file may refer to, besides the classes of DCP's metadata module.
 _METADATA_GLOBALS = {

@@ -1,5 +1,5 @@
 """Reading a job's options: the TOML file (`--job.config_file`), then the command-line overrides, each
-checked against its declaration in torchtitan/config_manager.py; `--help` lists them all.
+checked against its declaration in torchtitan/config/options.py; `--help` lists them all.
 
 Precedence: command line > TOML file > declared default.
 """
@@ -13,8 +13,8 @@ import typing
 from dataclasses import fields
 from typing import Any, Union
 
-from torchtitan.config_manager import ConfigError, JobConfig, default_of
-from torchtitan.paths import check_file, shown
+from torchtitan.config.options import ConfigError, JobConfig, default_of
+from torchtitan.config.paths import check_file, shown
 
 try:
     import tomllib

@@ -1,4 +1,5 @@
-"""Pipeline parallelism: split a meta-device Llama into stages and drive them with a schedule.
+"""Pipeline parallelism: split a meta-device model (any family) into stages and drive them with a
+schedule.
 
 A stage is a deep copy of the whole model with the layers it does not own deleted (and the
 embeddings, final norm and output set to None where another stage owns them), so parameters keep
@@ -18,11 +19,11 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineSchedule, get_schedule_class
 
-from torchtitan.config_manager import ConfigError, JobConfig
+from torchtitan.config.options import ConfigError, JobConfig
 from torchtitan.models import model_spec
 from torchtitan.models.moe import MoE
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.parallelize_llama import fsdp_mesh, parallelize_llama
+from torchtitan.parallelisms.parallelize import fsdp_mesh, parallelize
 from torchtitan.parallelisms.pipeline_layout import (
     SINGLE_STAGE_SCHEDULES,
     num_microbatches,
@@ -122,7 +123,7 @@ class RouterStatsStage(nn.Module):
         return out, counts, prob_sums
 
 
-def pipeline_llama(
+def build_pipeline(
     model: nn.Module,
     world_mesh: DeviceMesh,
     parallel_dims: ParallelDims,
@@ -131,7 +132,7 @@ def pipeline_llama(
     loss_fn: StageLoss,
     stage_io: StageIO | None = None,
 ) -> tuple[Pipeline, list[nn.Module]]:
-    """This rank's pipeline and its stage models, each parallelized by `parallelize_llama`.
+    """This rank's pipeline and its stage models, each parallelized by `parallelize`.
 
     `loss_fn` must average over its micro-batch: the schedule divides the summed gradients by the
     number of micro-batches, which then equal those of the whole batch's mean loss. Stages learn
@@ -149,7 +150,7 @@ def pipeline_llama(
     stages, model_parts = [], []
     for stage_id in ids:
         is_first, is_last = stage_id == 0, stage_id == len(layers) - 1
-        part = parallelize_llama(
+        part = parallelize(
             split_model(model, layers[stage_id], is_first, is_last), world_mesh, parallel_dims, job_config
         )
         module = part

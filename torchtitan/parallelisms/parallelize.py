@@ -1,12 +1,13 @@
 """Apply the job's parallelism to a model built on the meta device (any family: torchtitan/models/spec.py).
 
-Each technique is a plain function; `parallelize_llama` composes them in the order PyTorch needs:
+Each technique is a plain function; `parallelize` composes them in the order PyTorch needs:
 tensor parallelism first (it turns parameters into DTensors on the tp mesh), expert and context
 parallelism (module swaps), then activation checkpointing and compilation per block, then data
 parallelism (FSDP/HSDP over dp_shard x cp, or DDP), which shards the DTensors further.
 With pipeline parallelism it is applied to each stage's model.
 """
 
+import functools
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -19,15 +20,13 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
-from torchtitan.config_manager import JobConfig
-from torchtitan.config_rules import loss_skips_output
+from torchtitan.config.options import JobConfig, TrainingConfig
 from torchtitan.models import model_spec
 from torchtitan.models.llama.model import RMSNorm
 from torchtitan.models.moe import MoE
@@ -40,18 +39,27 @@ from torchtitan.parallelisms.parallel_dims import ParallelDims
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def parallelize_llama(
+def loss_skips_output(training_config: TrainingConfig) -> bool:
+    """With a chunked loss (training.loss_chunk_tokens) the model stops at its final norm (`skip_output`)
+    and the loss projects the hidden states by the output weight itself, a chunk at a time
+    (chunked_loss.py): FSDP then keeps the root's parameters, that weight among them, after the forward."""
+    return training_config.loss_chunk_tokens > 0
+
+
+def parallelize(
     model: nn.Module, world_mesh: DeviceMesh | None, parallel_dims: ParallelDims, job_config: JobConfig
 ) -> nn.Module:
+    """`model` (a whole model or a pipeline stage, any family) with the job's parallelisms applied, in
+    the order above; still on the meta device."""
     par, spec = job_config.parallelism, model_spec(job_config.model)
     if parallel_dims.tp_enabled:
         apply_tp(
             model,
             world_mesh["tp"],
+            spec.block_tp_plan(),
             parallel_dims.loss_parallel_enabled,
             par.enable_async_tensor_parallel,
             float8_tensorwise=float8_tensorwise_tp(job_config),
-            block_plan=spec.block_tp_plan(),
         )
     if parallel_dims.ep_enabled:
         apply_ep(model, world_mesh["ep"])
@@ -119,10 +127,10 @@ def fsdp_mesh(world_mesh: DeviceMesh, parallel_dims: ParallelDims) -> DeviceMesh
 def apply_tp(
     model: nn.Module,
     tp_mesh: DeviceMesh,
+    block_plan: Callable[..., dict],
     loss_parallel: bool,
     async_tp: bool,
     float8_tensorwise: bool = False,
-    block_plan: Callable[[nn.Module, bool], dict] | None = None,
 ) -> None:
     """Megatron-style tensor parallelism with sequence parallelism.
 
@@ -133,8 +141,9 @@ def apply_tp(
     `float8_tensorwise` (Float8Linears of the tensorwise recipe) the attention and feed-forward whose
     linear layers are all Float8Linears take torchao's float8 styles, which all-gather their input in
     float8; the root's styles stay plain (its output layer is kept out of float8 by default).
-    `block_plan(block, float8_tensorwise)` is the family's plan of a block (default: Llama's); a tied
-    output layer keeps the embeddings' weight (both are sharded along the vocabulary)."""
+    `block_plan(block, styles)` is the family's plan of a block (its ModelSpec's `tp_plan`), taking
+    each module's style classes from `styles(module)`; a tied output layer keeps the embeddings'
+    weight (both are sharded along the vocabulary)."""
     root_plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
@@ -149,9 +158,9 @@ def apply_tp(
     parallelize_module(model, tp_mesh, root_plan)
     if model.model_args.tie_word_embeddings and model.tok_embeddings is not None and model.output is not None:
         model.output.weight = model.tok_embeddings.weight  # both Shard(0): one DTensor
-    block_plan = block_plan or llama_block_plan
+    styles = functools.partial(tp_styles, float8_tensorwise=float8_tensorwise)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(block, float8_tensorwise))
+        parallelize_module(block, tp_mesh, block_plan(block, styles))
     if async_tp:
         from torch._inductor import config as inductor_config
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
@@ -160,37 +169,6 @@ def apply_tp(
         # that overlap with them, through symmetric memory on the tp group.
         inductor_config._micro_pipeline_tp = True
         enable_symm_mem_for_group(tp_mesh.get_group().group_name)
-
-
-def llama_block_plan(block: nn.Module, float8_tensorwise: bool) -> dict:
-    """A Llama block's TP plan: the norms on sequence shards; attention and feed-forward gather the
-    sequence, run column- then row-wise sharded projections and reduce-scatter back. A mixture of
-    experts is not tensor-parallel: each rank routes the tokens of its own sequence shard (no
-    collective), with the layer's weights whole (FSDP shards them over tp too: their gradients are
-    partial sums there, parallel_dims.moe_fsdp_meshes)."""
-    a_colwise, a_rowwise, a_prepare = tp_styles(block.attention, float8_tensorwise)
-    plan = {
-        "attention_norm": SequenceParallel(),
-        "attention": a_prepare(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-        "attention.wq": a_colwise(),
-        "attention.wk": a_colwise(),
-        "attention.wv": a_colwise(),
-        "attention.wo": a_rowwise(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
-    }
-    if isinstance(block.feed_forward, MoE):
-        plan["feed_forward"] = PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True
-        )
-        return plan
-    f_colwise, f_rowwise, f_prepare = tp_styles(block.feed_forward, float8_tensorwise)
-    return {
-        **plan,
-        "feed_forward": f_prepare(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": f_colwise(),
-        "feed_forward.w2": f_rowwise(output_layouts=Shard(1)),
-        "feed_forward.w3": f_colwise(),
-    }
 
 
 # Ops whose outputs selective op AC keeps: the expensive ones to recompute. Every other matmul's

@@ -1,13 +1,14 @@
 """Where a run's checkpoints are and which one it resumes from: `{dump_folder}/{checkpoint.folder}/step-N`.
 
-A `step-N` folder with a `.metadata` file is complete (torchtitan/checkpoint.py writes `step-N.tmp`
-and renames it once whole). Torch-free: the preflight checks these rules before any worker starts."""
+A `step-N` folder with a `.metadata` file is complete (torchtitan/checkpoint/manager.py writes
+`step-N.tmp` and renames it once whole). Torch-free: the preflight checks these rules before any
+worker starts."""
 
 import os
 import re
 
-from torchtitan.config_manager import CheckpointConfig, ConfigError, JobConfig
-from torchtitan.paths import check_folder, shown
+from torchtitan.config.options import CheckpointConfig, ConfigError, JobConfig
+from torchtitan.config.paths import check_folder, shown
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 # Folders of a save or a deletion cut short; never loaded, removed at start.

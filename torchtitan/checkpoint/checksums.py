@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from torchtitan.checkpoint_folder import list_checkpoints
-from torchtitan.config_manager import ConfigError
+from torchtitan.checkpoint.folder import list_checkpoints
+from torchtitan.config.options import ConfigError
 from torchtitan.logging import logger
 
 MANIFEST = "checksums.json"

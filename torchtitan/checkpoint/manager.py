@@ -1,13 +1,12 @@
-"""Distributed checkpoints (torch.distributed.checkpoint) of everything needed to continue a run.
+"""Saving a run's checkpoints and resuming from them (CheckpointManager).
 
 A checkpoint is written to `step-N.tmp` and renamed to `step-N` once complete, so a folder named
 `step-N` is always whole and a crash mid-save never costs the previous checkpoint. Each holds a
-`checksums.json` (torchtitan/checkpoint_checksums.py), checked before the checkpoint is loaded, and
+`checksums.json` (torchtitan/checkpoint/checksums.py), checked before the checkpoint is loaded, and
 the model it holds (`model_record`), checked before train.py, evaluate.py or generate.py loads it."""
 
 import contextlib
 import errno
-import hashlib
 import os
 import shutil
 import threading
@@ -20,20 +19,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.stateful import Stateful
 
-from torchtitan.checkpoint_checksums import ChecksumWriter, check_intact
-from torchtitan.checkpoint_folder import (
+from torchtitan.checkpoint.checksums import ChecksumWriter, check_intact
+from torchtitan.checkpoint.folder import (
     LEFTOVER_DIR,
     STEP_DIR,
     check_initial_load_path,
@@ -42,246 +33,22 @@ from torchtitan.checkpoint_folder import (
     is_complete,
     list_checkpoints,
 )
-from torchtitan.config_manager import ConfigError, JobConfig, ModelConfig, resolve_path
+from torchtitan.checkpoint.load import check_model_record, load_states
+from torchtitan.checkpoint.safe_reader import saved_entries
+from torchtitan.checkpoint.state import (
+    RECORD,
+    ModelState,
+    OptimizerState,
+    RNGState,
+    SchedulerState,
+    TrainState,
+    merge_model_parts,
+    model_record,
+)
+from torchtitan.config.options import JobConfig
 from torchtitan.errors import CheckpointWriteError, os_error_behind
 from torchtitan.logging import logger
-from torchtitan.parallelisms.parallelize_llama import DTYPES
-from torchtitan.paths import shown
-from torchtitan.safe_dcp import SafeLoadPlanner, SafeReader, read_checkpoint, saved_entries
-
-
-def merge_model_parts(model_parts: list[nn.Module]) -> nn.Module:
-    """One module over the pipeline stages a rank holds, with the FQNs of the whole model: the
-    parts' children under their own names, ModuleDicts (the `layers`) merged. DCP's state-dict
-    functions take a single module, and a single one must own all the optimizer's parameters."""
-    if len(model_parts) == 1:
-        return model_parts[0]
-    merged = nn.Module()
-    for part in model_parts:
-        for name, child in part.named_children():
-            if isinstance(child, nn.ModuleDict):
-                if name not in merged._modules:
-                    merged.add_module(name, nn.ModuleDict())
-                merged.get_submodule(name).update(child)
-            elif name in merged._modules:
-                raise ValueError(f"two model parts hold {name!r}")
-            else:
-                merged.add_module(name, child)
-    return merged
-
-
-class ModelState(Stateful):
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-    def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state_dict)
-
-
-class OptimizerState(Stateful):
-    """Flattened ('state.<fqn>.exp_avg', 'param_groups.<fqn>.lr'): keyed by parameter FQN only, so
-    pipeline ranks, which hold different parameters, do not collide on 'param_groups.0'."""
-
-    options = StateDictOptions(flatten_optimizer_state_dict=True)
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model = model
-        self.optimizer = optimizer
-
-    def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer, options=self.options)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_optimizer_state_dict(
-            self.model, self.optimizer, optim_state_dict=state_dict, options=self.options
-        )
-
-
-class SchedulerState(Stateful):
-    """Only the step count: the schedule itself comes from the config."""
-
-    def __init__(self, scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
-        self.scheduler = scheduler
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"last_epoch": torch.tensor(self.scheduler.last_epoch, dtype=torch.int64)}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        s = self.scheduler
-        s.last_epoch = int(state_dict["last_epoch"])
-        s._last_lr = [base * fn(s.last_epoch) for base, fn in zip(s.base_lrs, s.lr_lambdas)]
-        for group, lr in zip(s.optimizer.param_groups, s._last_lr):
-            group["lr"] = lr
-
-
-class TrainState(Stateful):
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": torch.tensor(self.step, dtype=torch.int64)}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.step = int(state_dict["step"])
-
-
-class RNGState(Stateful):
-    """This rank's random generators: torch's CPU one and, on CUDA, the current device's.
-
-    Saved under a per-rank key, as ranks may draw different numbers (e.g. dropout on different data)."""
-
-    def __init__(self) -> None:
-        self.key = f"rank_{dist.get_rank() if dist.is_initialized() else 0}"
-
-    def state_dict(self) -> dict[str, Any]:
-        states = {"cpu": torch.get_rng_state()}
-        if torch.cuda.is_available():
-            states["cuda"] = torch.cuda.get_rng_state()
-        return {self.key: states}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        states = state_dict[self.key]
-        torch.set_rng_state(states["cpu"])
-        if "cuda" in states:
-            torch.cuda.set_rng_state(states["cuda"])
-
-
-def read_model_weights(path: str) -> dict[str, torch.Tensor]:
-    """The whole model's weights in a checkpoint, as plain CPU tensors (read in this one process)."""
-    weights = {key.removeprefix("model."): value for key, value in read_checkpoint(path, "model.").items()}
-    if not weights:
-        raise ValueError(f"{path} holds no model weights")
-    return weights
-
-
-def _flat_keys(state: dict[str, Any], prefix: str) -> list[str]:
-    """The keys DCP flattens a nested state dict to ('dataloader.dataset_state.x')."""
-    keys = []
-    for key, value in state.items():
-        name = f"{prefix}.{key}"
-        keys += _flat_keys(value, name) if isinstance(value, dict) else [name]
-    return keys
-
-
-def load_states(states: dict[str, Stateful], path: str, parts: list[str]) -> None:
-    """Load `parts` (keys of `states`) from the checkpoint at `path`, through the safe reader; what does
-    not fit this run (shapes, missing parts, another data layout) is a one-line ConfigError."""
-    saved = saved_entries(path)
-    if "model" in parts:
-        _check_model_shapes(states["model"], path, saved)
-    if "rng" in parts:
-        rng = states["rng"].state_dict()
-        if not {f"rng.{rank}.{name}" for rank, states in rng.items() for name in states} <= saved.keys():
-            logger.info(f"{path} has no RNG state for this rank and device: keeping the seeded ones")
-            parts.remove("rng")
-    missing = [part for part in parts if not any(key.startswith(part + ".") for key in saved)]
-    if missing:
-        raise ConfigError(
-            f"checkpoint: {path} has no {', '.join(missing)} state (a model_weights_only export?); "
-            "start from it with checkpoint.initial_load_path, or set checkpoint.exclude_from_loading"
-        )
-    if "dataloader" in parts:
-        _check_dataloader_keys(states["dataloader"], path, saved)
-    logger.info(f"Loading {', '.join(parts)} from {path}")
-    try:
-        dcp.load(
-            {part: states[part] for part in parts},
-            storage_reader=SafeReader(path),  # runs no code from the files (torchtitan/safe_dcp.py)
-            planner=SafeLoadPlanner(),
-        )
-    except ConfigError:  # a part's own one line (a mixture's changed sources)
-        raise
-    except (Exception, dcp.CheckpointException) as e:  # DCP's is a BaseException
-        raise ConfigError(
-            f"checkpoint: cannot load {path} ({str(e).strip().splitlines()[-1]}); it may come from a "
-            "different model or layout: point job.dump_folder elsewhere or move the folder away"
-        ) from e
-
-
-def _check_dataloader_keys(dataloader: Stateful, path: str, saved: dict[str, Any]) -> None:
-    """DCP asks for the keys of this run's data loader state; the data streams are keyed by the global
-    batch size, so another global batch size (or an older loader) leaves keys missing: say so in one
-    line rather than DCP's 'missing key'."""
-    missing = [key for key in _flat_keys(dataloader.state_dict(), "dataloader") if key not in saved]
-    if missing:
-        raise ConfigError(
-            f"checkpoint: {path} has no {missing[0]}: its data loader state was saved for another "
-            "global batch size or by an older data loader (or from text data for pre-tokenized data, or the "
-            "reverse), and the text data streams depend on the global batch size; keep the saved global "
-            "batch size, or start the data afresh with --checkpoint.exclude_from_loading dataloader"
-        )
-
-
-def _check_model_shapes(model_state: Stateful, path: str, saved: dict[str, Any]) -> None:
-    """Compare the parameters of the whole model (pipeline stages hold different ones, so gather
-    them) with the checkpoint's, so that a mismatch is one clear line, the same on every rank."""
-    shapes = {f"model.{fqn}": tuple(t.shape) for fqn, t in model_state.state_dict().items()}
-    if dist.is_initialized():
-        gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
-        dist.all_gather_object(gathered, shapes)
-        shapes = {key: shape for rank_shapes in gathered for key, shape in rank_shapes.items()}
-    hint = "was it saved with another model.flavor or tokenizer?"
-    for key, shape in shapes.items():
-        entry = saved.get(key)
-        if not isinstance(entry, TensorStorageMetadata):
-            raise ConfigError(f"checkpoint: {path} has no parameter {key[6:]}; {hint}")
-        if tuple(entry.size) != shape:
-            raise ConfigError(
-                f"checkpoint: {path} holds {key[6:]} with shape {tuple(entry.size)} but the model's "
-                f"is {shape}; {hint}"
-            )
-    extra = [key for key in saved if key.startswith("model.") and key not in shapes]
-    if extra:
-        raise ConfigError(f"checkpoint: {path} holds {extra[0][6:]}, which the model lacks; {hint}")
-
-
-RECORD = "model_record"  # the state-dict key of a checkpoint's model record
-
-
-def model_record(model_config: ModelConfig) -> dict[str, str]:
-    """What every checkpoint records of the model it holds: the weights of models of the same shapes
-    (llama2's and llama3's debug models, llama3's 8B and 3.1_8B) would load into one another silently,
-    and so would a model into a run with another tokenizer of the same vocabulary size."""
-    tokenizer = resolve_path(model_config.tokenizer_path)
-    if os.path.isdir(tokenizer):  # a Hugging Face tokenizer folder
-        tokenizer = os.path.join(tokenizer, "tokenizer.json")
-    with open(tokenizer, "rb") as f:  # a few MB at most
-        tokenizer_sha256 = hashlib.sha256(f.read()).hexdigest()
-    return {"name": model_config.name, "flavor": model_config.flavor, "tokenizer_sha256": tokenizer_sha256}
-
-
-def check_model_record(path: str, model_config: ModelConfig) -> None:
-    """Raise a one-line ConfigError if the checkpoint at `path` holds another model (name, flavour or
-    tokenizer) than `model_config`'s. What a checkpoint does not record (saved by an earlier version,
-    converted from Hugging Face) is unknown and passes."""
-    if not any(key.startswith(RECORD + ".") for key in saved_entries(path)):
-        return
-    saved = {key.removeprefix(RECORD + "."): v for key, v in read_checkpoint(path, RECORD + ".").items()}
-    ours = model_record(model_config)
-    if (saved["name"], saved["flavor"]) != (ours["name"], ours["flavor"]):
-        option = "model.name" if saved["name"] != ours["name"] else "model.flavor"
-        raise ConfigError(
-            f"{option}: {path} holds a {saved['name']} {saved['flavor']} model, not this job's "
-            f"{ours['name']} {ours['flavor']}; set --model.name {saved['name']} --model.flavor "
-            f"{saved['flavor']}, or load a checkpoint of this model"
-        )
-    if saved["tokenizer_sha256"] != ours["tokenizer_sha256"]:
-        raise ConfigError(
-            f"model.tokenizer_path: {path} was trained with another tokenizer than "
-            f"{shown(model_config.tokenizer_path)} (their SHA-256 differ); set model.tokenizer_path to the "
-            "checkpoint's tokenizer"
-        )
-
-
-def load_model_weights(model_parts: list[nn.Module], path: str, verify: bool = True) -> None:
-    """The model weights of the checkpoint at `path` into this rank's parts, whatever the layout;
-    `verify`: against its checksums first."""
-    if verify:
-        check_intact(path)
-    load_states({"model": ModelState(merge_model_parts(model_parts))}, path, ["model"])
+from torchtitan.parallelisms.parallelize import DTYPES
 
 
 def _fsync_dir(path: str) -> None:

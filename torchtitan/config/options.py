@@ -1,8 +1,7 @@
 """Job configuration: every option is declared once, below, and that declaration drives the TOML
-parser, the command-line overrides, `--help` and validation (torchtitan/config_parser.py).
+parser, the command-line overrides, `--help` and validation (torchtitan/config/parser.py).
 """
 
-import os
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
@@ -394,17 +393,3 @@ class JobConfig:
             for s in fields(self)
         }
 
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def path_candidates(path: str) -> list[str]:
-    """Where a path option is looked for: as given (absolute, or from the current folder), then, when
-    relative, from the repository root (for the bundled assets)."""
-    return [path] if os.path.isabs(path) else [path, os.path.join(REPO_ROOT, path)]
-
-
-def resolve_path(path: str) -> str:
-    """The first of `path_candidates` that exists, else the last."""
-    candidates = path_candidates(path)
-    return next((c for c in candidates if os.path.exists(c)), candidates[-1])

@@ -1,6 +1,6 @@
-"""The rules every path a user gives must pass (the job's path options and the scripts' arguments), in
-one place, so that a bad path is one line naming the option and the path as given, before anything is
-read or written. Torch-free.
+"""Where a path option is looked for, and the rules every path a user gives must pass (the job's path
+options and the scripts' arguments), in one place, so that a bad path is one line naming the option and
+the path as given, before anything is read or written. Torch-free.
 
 The type of a path is taken from os.stat, never by opening it: opening a FIFO blocks until a writer
 comes. Paths with spaces or any Unicode characters are fine; a NUL character is not."""
@@ -10,10 +10,24 @@ import os
 import stat
 import tempfile
 
-from torchtitan.config_manager import ConfigError
+from torchtitan.config.options import ConfigError
 
 # Bytes of a text file decoded to tell UTF-8 from binary: enough for any header, cheap on a huge corpus.
 TEXT_SAMPLE_BYTES = 1 << 20
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def path_candidates(path: str) -> list[str]:
+    """Where a path option is looked for: as given (absolute, or from the current folder), then, when
+    relative, from the repository root (for the bundled assets)."""
+    return [path] if os.path.isabs(path) else [path, os.path.join(REPO_ROOT, path)]
+
+
+def resolve_path(path: str) -> str:
+    """The first of `path_candidates` that exists, else the last."""
+    candidates = path_candidates(path)
+    return next((c for c in candidates if os.path.exists(c)), candidates[-1])
 
 
 def shown(text: str) -> str:

@@ -1,0 +1,134 @@
+"""scripts/benchmark.py's mixture-of-experts rows: the Qwen3-MoE debug model's step time against a dense
+Qwen3 of the same active parameters, and the share of an expert-parallel step spent in the all-to-all."""
+
+import os
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+from benchmark_step import ROOT, STEADY_FROM, ms, reference_step_time, run_train, step_ratio
+
+MOE_ARGS = ["--model.name", "qwen3_moe", "--model.tokenizer_path", "assets/tokenizer/kjv_bpe_hf"]
+
+
+def part_moe(tmp: str) -> dict:
+    """The Qwen3-MoE debug model (a dense layer of 768 hidden units, then 3 sparse layers whose tokens
+    each take 2 experts of 256) vs a dense Qwen3 with the same active parameters (4 layers of 576
+    hidden units; the routers' 6k weights aside), in the same minimal loop, on its recipe's batch."""
+    from torchtitan.models.qwen3 import qwen3_configs
+
+    dense_args = replace(qwen3_configs["debugmodel"], n_layers=4, hidden_dim=(768 + 3 * 2 * 256) // 4)
+    dense_extra = ["--model.name", "qwen3", "--model.tokenizer_path", "assets/tokenizer/kjv_bpe_hf"]
+    batch = ["--training.batch_size", "8", "--training.seq_len", "256"]  # qwen3_moe_debug.toml's
+    moe = reference_step_time([*MOE_ARGS, *batch])
+    dense = reference_step_time([*dense_extra, *batch], model_args=dense_args)
+    return {"value": step_ratio(moe, dense), "moe": moe, "dense": dense}
+
+
+MOE_EP_ARGS = [
+    "--job.config_file",
+    str(ROOT / "train_configs" / "qwen3_moe_debug.toml"),
+    "--checkpoint.enable_checkpoint",
+    "false",
+    "--validation.enable",
+    "false",
+    "--parallelism.data_parallel_shard_degree",
+    "2",
+    "--parallelism.expert_parallel_degree",
+    "2",
+]
+PROFILED_STEPS = 8  # steady steps profiled by the all-to-all part
+FUNCOL = "_c10d_functional::"  # torch's functional collectives, as the profiler names their ops
+
+
+def all_to_all_exchanges(events: list) -> list[float]:
+    """Microseconds spent in each of the experts' all-to-alls among `events` (one thread's profiler
+    events, in start order): a funcol all_to_all_single (its launch, in forward or in an autograd
+    backward), then the funcol waits and autograd wrapping that follow it up to the next functional
+    collective's launch. Expert parallelism waits for each all-to-all's result before launching
+    another collective, so those waits are its; FSDP's collectives are c10d's own ops, not funcol's."""
+    exchanges: list[float] = []
+    launched, counted_until = "", 0.0
+    for event in events:
+        if not event.name.startswith(FUNCOL):
+            continue
+        op = event.name.removeprefix(FUNCOL)
+        if op not in ("wait_tensor", "_wrap_tensor_autograd"):
+            launched = op
+            if op == "all_to_all_single":
+                exchanges.append(0.0)
+        if launched == "all_to_all_single" and event.time_range.start >= counted_until:  # not nested
+            exchanges[-1] += event.time_range.elapsed_us()
+            counted_until = event.time_range.end
+    return exchanges
+
+
+def part_moe_all_to_all(tmp: str) -> dict:
+    """Share of an expert-parallel step spent in the all-to-all token exchange: train.py on the
+    Qwen3-MoE debug recipe at EP 2 (2 FSDP ranks), each rank profiled over PROFILED_STEPS steady
+    steps (from one optimizer step to the next), in wall time, as waiting for the other rank's tokens
+    is part of the exchange's cost. The ranks make the same exchanges in the same order; the one that
+    arrives last at an exchange blocks the least, for the exchange itself (`exchange_ms`): the rest
+    of a rank's time in it is waiting for that rank."""
+    import torch.distributed as dist
+
+    profiler = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU],
+        schedule=torch.profiler.schedule(wait=STEADY_FROM - 1, warmup=1, active=PROFILED_STEPS, repeat=1),
+    )
+    argv = [*MOE_EP_ARGS, "--training.steps", str(STEADY_FROM + PROFILED_STEPS)]
+    with profiler:
+        run_train([*argv, "--job.dump_folder", os.path.join(tmp, "moe_ep")], profiler.step)
+    steps = [e for e in profiler.events() if e.name.startswith("ProfilerStep")]  # "ProfilerStep*"
+    assert len(steps) == PROFILED_STEPS, [e.name for e in steps]
+    loop = sorted(
+        (e for e in profiler.events() if e.thread == steps[0].thread), key=lambda e: e.time_range.start
+    )
+    mine = (sum(e.time_range.elapsed_us() for e in steps) / 1e3 / PROFILED_STEPS, all_to_all_exchanges(loop))
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    dist.barrier()  # no rank tears gloo down while another still reads from it
+    dist.destroy_process_group()
+    ranks = [
+        {"step_ms": step_ms, "all_to_all_ms": sum(ex) / 1e3 / PROFILED_STEPS, "exchanges": len(ex)}
+        for step_ms, ex in gathered
+    ]
+    assert len({len(ex) for _, ex in gathered}) == 1, "the ranks' exchanges differ"
+    exchange_ms = sum(map(min, zip(*(ex for _, ex in gathered)))) / 1e3 / PROFILED_STEPS
+    mean_step_ms = sum(r["step_ms"] for r in ranks) / len(ranks)
+    return {
+        "value": sum(r["all_to_all_ms"] / r["step_ms"] for r in ranks) / len(ranks),
+        "ranks": ranks,
+        "exchange_ms": exchange_ms,
+        "exchange_share": exchange_ms / mean_step_ms,
+        "load_average": os.getloadavg()[0],
+    }
+
+
+def moe_rows(run_part: Callable[..., dict], add: Callable[..., None]) -> None:
+    e = run_part("moe")
+    add(
+        "MoE step time",
+        e["value"],
+        "<= 1.5",
+        e["value"] <= 1.5,
+        f"Qwen3-MoE debugmodel {ms(e['moe'])}, dense Qwen3 of the same active parameters "
+        f"{ms(e['dense'])} (a hand-written loop, one process)",
+        e,
+    )
+    a = run_part("moe_all_to_all", 2, cpu=True)  # gloo: the profile is host time
+    add(
+        "MoE all-to-all share",
+        a["value"],
+        "(reported)",
+        True,
+        "Qwen3-MoE debugmodel, EP 2 on 2 FSDP ranks (CPU, gloo), 8 x 256 tokens each, train.py profiled "
+        "(wall time): "
+        + ", ".join(
+            f"rank {i} {r['all_to_all_ms']:.1f} of {r['step_ms']:.1f} ms/step"
+            for i, r in enumerate(a["ranks"])
+        )
+        + f"; the exchange itself (the later rank's time) {a['exchange_ms']:.1f} ms/step, "
+        f"{a['exchange_share']:.1%} of a step; the rest is waiting for the other rank",
+        a,
+    )
