@@ -21,16 +21,17 @@ from torchtitan.memory_estimation.torch_internals import ValuedFakeTensorMode, p
 aten, c10d = torch.ops.aten, torch.ops._c10d_functional
 
 
-def balanced_counts(args: tuple, known: list, kwargs: dict) -> torch.Tensor | None:
-    """torch.bincount of the chosen experts: each expert an equal share of the rows (the first ones a
-    row more where the experts do not divide them). None where the input's values are known."""
-    minlength = kwargs.get("minlength", args[2] if len(args) > 2 else 0)
-    if known[0] is not None or minlength < 1:
+def balanced_boundaries(args: tuple, known: list, kwargs: dict) -> torch.Tensor | None:
+    """torch.searchsorted of the expert boundaries 0..E in the sorted chosen experts (how MoE counts
+    its rows, its only use of the op): each expert an equal share of the rows (the first ones a row
+    more where the experts do not divide them). None where the sorted experts' values are known."""
+    sorted_experts, bounds = args
+    if known[0] is not None or bounds.numel() < 2:
         return None
-    rows = args[0].numel()
-    counts = torch.full((minlength,), rows // minlength, dtype=torch.int64, device=args[0].device)
-    counts[: rows % minlength] += 1
-    return counts
+    rows, experts = sorted_experts.numel(), bounds.numel() - 1
+    counts = torch.full((experts,), rows // experts, dtype=torch.int64, device=bounds.device)
+    counts[: rows % experts] += 1
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)])
 
 
 def alike_ranks(expert_load: float) -> Callable:
@@ -52,7 +53,7 @@ def alike_ranks(expert_load: float) -> Callable:
 def routed_fake_mode(expert_load: float = 1.0) -> ValuedFakeTensorMode:
     """A fake mode in which a mixture of experts routes as the module docstring states."""
     overrides = {
-        aten.bincount.default: balanced_counts,
+        aten.searchsorted.Tensor: balanced_boundaries,
         c10d.all_to_all_single.default: alike_ranks(expert_load),
     }
     return ValuedFakeTensorMode(overrides, allow_non_fake_inputs=True)
