@@ -137,4 +137,3 @@ def load_model_weights(model_parts: list[nn.Module], path: str, verify: bool = T
     if verify:
         check_intact(path)
     load_states({"model": ModelState(merge_model_parts(model_parts))}, path, ["model"])
-

@@ -133,4 +133,3 @@ def model_record(model_config: ModelConfig) -> dict[str, str]:
     with open(tokenizer, "rb") as f:  # a few MB at most
         tokenizer_sha256 = hashlib.sha256(f.read()).hexdigest()
     return {"name": model_config.name, "flavor": model_config.flavor, "tokenizer_sha256": tokenizer_sha256}
-

@@ -392,4 +392,3 @@ class JobConfig:
             s.name: {o.name: getattr(getattr(self, s.name), o.name) for o in fields(s.type)}
             for s in fields(self)
         }
-
