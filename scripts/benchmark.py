@@ -86,6 +86,7 @@ PARTS: dict[str, Callable[[str], dict]] = {
     "fsdp_memory": benchmark_memory.part_fsdp_memory,
     "chunked_loss": benchmark_memory.part_chunked_loss,
     "moe": benchmark_moe.part_moe,
+    "moe_layer": benchmark_moe.part_moe_layer,
     "moe_all_to_all": benchmark_moe.part_moe_all_to_all,
     "context_parallel": benchmark_context_parallel.part_context_parallel,
 }
@@ -158,7 +159,7 @@ def run_all(threads: int, tmp: str, only: str | None = None) -> dict:
 
 
 # The groups of rows `--only` measures alone.
-ROWS = {"context_parallel": benchmark_context_parallel.context_parallel_rows}
+ROWS = {"context_parallel": benchmark_context_parallel.context_parallel_rows, "moe": benchmark_moe.moe_rows}
 
 
 def print_table(results: dict) -> None:

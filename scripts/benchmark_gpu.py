@@ -14,6 +14,7 @@ minutes prints one table (docs/performance.md keeps the figures, with their setu
 | llama1b_chunked_loss | llama1b with training.loss_chunk_tokens 2048, as the recipe has it |
 | llama1b_fp8_tensorwise, llama1b_fp8_rowwise | llama1b with float8 linear layers (torchao) |
 | qwen3_moe_2layers | Qwen3-30B-A3B's width with 2 layers, 2 x 4096 tokens, compiled |
+| host_syncs | the host-device syncs of each step (CUDA's sync debug mode), Qwen3-MoE debug recipe |
 
 A train.py part reports its last logged window (steps 21-30): tokens/s per GPU, MFU and the peak
 memory the CUDA allocator reserved, as train.py's own log line computes them, plus the graphs
@@ -217,6 +218,44 @@ def part_moe_grouped_mm(out: Path, small: bool) -> dict:
     return result
 
 
+def part_host_syncs(out: Path, small: bool) -> dict:
+    """CUDA's sync debug mode over the Qwen3-MoE debug recipe, eager, bf16, 6 steps logging at 1, 3
+    and 6: the host-device syncs counted between one step's update and the next one's, from step 1
+    on (docs/performance.md: only the logging steps' should remain)."""
+    import warnings
+
+    from torchtitan.metrics import MetricLogger
+
+    per_step, steps_done, step_done = {}, [0], MetricLogger.step_done
+
+    def counting_step_done(self) -> None:
+        steps_done[0] += 1
+        if steps_done[0] == 1 and torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("warn")
+        step_done(self)
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" in str(message):
+            where = f"step {steps_done[0]}"
+            per_step[where] = per_step.get(where, 0) + 1
+
+    MetricLogger.step_done = counting_step_done
+    warnings.showwarning = record
+    warnings.simplefilter("always")
+    argv = [
+        "--job.config_file", str(ROOT / "train_configs" / "qwen3_moe_debug.toml"),
+        "--training.mixed_precision_param", "bfloat16", "--moe.bias_update_rate", "0.01",
+        "--metrics.log_freq", "3", "--training.steps", "6", "--job.dump_folder", str(out / "host_syncs"),
+        "--checkpoint.enable_checkpoint", "false", "--validation.enable", "false",
+    ]  # fmt: skip
+    code = runpy.run_path(str(ROOT / "train.py"))["main"](parse_args(argv))
+    return {
+        "exit": code,
+        "device": "cuda" if torch.cuda.is_available() else "cpu (nothing counted)",
+        **per_step,
+    }
+
+
 def part_torchtitan_1b(out: Path, small: bool) -> dict:
     """scripts/compare_torchtitan/run.sh: the torchtitan wheel, installed from .whl/ into its own
     folder so that this repository's torchtitan/ never shadows it."""
@@ -239,6 +278,7 @@ PARTS = {  # name: (function, estimated seconds on an H100), in priority order
     "llama1b_fp8_tensorwise": (part_llama1b_fp8_tensorwise, 70),
     "llama1b_fp8_rowwise": (part_llama1b_fp8_rowwise, 70),
     "qwen3_moe_2layers": (part_qwen3_moe_2layers, 70),
+    "host_syncs": (part_host_syncs, 30),
 }
 
 

@@ -1,7 +1,9 @@
-"""scripts/benchmark.py's mixture-of-experts rows: the Qwen3-MoE debug model's step time against a dense
-Qwen3 of the same active parameters, and the share of an expert-parallel step spent in the all-to-all."""
+"""scripts/benchmark.py's mixture-of-experts rows: the expert layer's grouped GEMM against a matmul per
+expert, the Qwen3-MoE debug model's step time against a dense Qwen3 of the same active parameters, and
+the share of an expert-parallel step spent in the all-to-all."""
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -23,6 +25,65 @@ def part_moe(tmp: str) -> dict:
     moe = reference_step_time([*MOE_ARGS, *batch])
     dense = reference_step_time([*dense_extra, *batch], model_args=dense_args)
     return {"value": step_ratio(moe, dense), "moe": moe, "dense": dense}
+
+
+LAYER_EXPERTS = (8, 64, 128)
+LAYER_SHAPE = {"dim": 256, "hidden": 128, "tokens": 2048, "top_k": 2}  # 32 rows per expert at 128
+
+
+def part_moe_layer(tmp: str) -> dict:
+    """The experts' SwiGLU over routed rows, forward + backward, fp32, one thread: train.py's
+    GroupedExperts (a torch._grouped_mm per projection) vs a matmul per expert in a Python loop (the
+    reference of tests/test_moe.py), at each of LAYER_EXPERTS experts, routing uniform at random. Best
+    of 5 windows of 10 iterations, CPU time."""
+    import torch.nn.functional as F
+
+    from torchtitan.models.moe import GroupedExperts
+
+    torch.set_num_threads(1)
+    dim, hidden, tokens, top_k = (LAYER_SHAPE[k] for k in ("dim", "hidden", "tokens", "top_k"))
+
+    def grouped(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return experts(x, counts)
+
+    def loop(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        outputs = []
+        for rows, w1, w2, w3 in zip(torch.split(x, counts.tolist()), experts.w1, experts.w2, experts.w3):
+            outputs.append((F.silu(rows @ w1.T) * (rows @ w3.T)) @ w2.T)
+        return torch.cat(outputs)
+
+    def seconds(
+        forward, experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor, grad: torch.Tensor
+    ) -> float:
+        for _ in range(3):
+            forward(experts, x, counts).backward(grad)
+        best = float("inf")
+        for _ in range(5):
+            start = time.process_time()
+            for _ in range(10):
+                forward(experts, x, counts).backward(grad)
+            best = min(best, (time.process_time() - start) / 10)
+        return best
+
+    result = {}
+    for num_experts in LAYER_EXPERTS:
+        gen = torch.Generator().manual_seed(0)
+        experts = GroupedExperts(dim, hidden, num_experts)
+        with torch.no_grad():
+            for p in experts.parameters():
+                p.normal_(0.0, 0.02, generator=gen)
+        choice = torch.randint(0, num_experts, (tokens * top_k,), generator=gen)
+        counts = torch.bincount(choice, minlength=num_experts)
+        x = torch.randn(tokens * top_k, dim, generator=gen).requires_grad_()
+        grad = torch.randn(tokens * top_k, dim, generator=gen)
+        grouped_s = seconds(grouped, experts, x, counts, grad)
+        loop_s = seconds(loop, experts, x, counts, grad)
+        result[str(num_experts)] = {
+            "grouped_ms": 1e3 * grouped_s,
+            "loop_ms": 1e3 * loop_s,
+            "value": grouped_s / loop_s,
+        }
+    return result
 
 
 MOE_EP_ARGS = [
@@ -106,6 +167,18 @@ def part_moe_all_to_all(tmp: str) -> dict:
 
 
 def moe_rows(run_part: Callable[..., dict], add: Callable[..., None]) -> None:
+    layer = run_part("moe_layer")
+    shape = ", ".join(f"{k} {v}" for k, v in LAYER_SHAPE.items())
+    for num_experts, goal in zip(LAYER_EXPERTS, (1.0, None, 0.8)):
+        r = layer[str(num_experts)]
+        add(
+            f"MoE layer: grouped GEMM / loop, {num_experts} experts",
+            r["value"],
+            "(reported)" if goal is None else f"<= {goal}",
+            goal is None or r["value"] <= goal,
+            f"{r['grouped_ms']:.2f} vs {r['loop_ms']:.2f} ms forward + backward ({shape}, fp32, 1 thread)",
+            r,
+        )
     e = run_part("moe")
     add(
         "MoE step time",

@@ -129,6 +129,8 @@ FSDP_KNOBS = (
     "--parallelism.fsdp_backward_prefetch",
     "2",
 )
+# The blocks gathered whole in fp32 (one FSDP unit and one compiled graph each), autocast rounding.
+FP32_GATHER = ("--parallelism.fsdp_gather_dtype", "float32")
 
 # Qwen3's debug flavours on the bundled tokenizer.json: embeddings tied to the output layer (as in 0.6B
 # to 4B) and untied (8B and up; pipeline stages cannot share a tied table).
@@ -141,6 +143,8 @@ QWEN3_TIED = (*QWEN3, "--model.flavor", "debugmodel_tied")
 # many positions. The reference runs the same length.
 LONG = ("--training.seq_len", "512")
 QWEN3_LONG = (*QWEN3_UNTIED, *LONG)
+# CI's context-parallel runs (tests/): 256 tokens, still 8 chunks of 32 at CP 4, at half the time.
+QWEN3_CP_CI = (*QWEN3_UNTIED, "--training.seq_len", "256")
 QWEN3_MOE = ("--model.name", "qwen3_moe", "--model.tokenizer_path", "assets/tokenizer/kjv_bpe_hf")
 QWEN3_MOE_BIAS = (*QWEN3_MOE, "--moe.aux_loss_coef", "0", "--moe.bias_update_rate", "0.01")
 QWEN3_MOE_BOTH = (*QWEN3_MOE, "--moe.bias_update_rate", "0.01")
@@ -158,6 +162,8 @@ MATRIX = [
     Layout("HSDP 2x2 + GA 2", 4, 1, 8, replicate(2)),
     Layout("FSDP 2, reshard always, prefetch 2", 2, 2, 4, FSDP_KNOBS),
     Layout("FSDP 2, reshard never", 2, 2, 4, ("--parallelism.fsdp_reshard_after_forward", "never")),
+    Layout("FSDP 2, gathered in fp32 + compile", 2, 2, 4, FP32_GATHER + COMPILE),
+    Layout("HSDP 2x2, gathered in fp32", 4, 1, 4, replicate(2) + FP32_GATHER),
     Layout("AC full", 1, 4, 4, AC_FULL),
     Layout("AC selective op", 1, 4, 4, AC_OP),
     Layout("AC selective every 2nd block", 1, 4, 4, AC_EVERY_2),
@@ -184,6 +190,7 @@ MATRIX = [
     Layout("Qwen3-MoE: FSDP 2 + AC full", 2, 2, 4, AC_FULL, QWEN3_MOE),
     Layout("Qwen3-MoE: compile + AC selective op", 1, 4, 4, COMPILE + AC_OP, QWEN3_MOE),
     Layout("Qwen3-MoE: FSDP 2 + chunked loss", 2, 2, 4, CHUNKED_LOSS, QWEN3_MOE),
+    Layout("Qwen3-MoE: FSDP 2, gathered in fp32 + compile", 2, 2, 4, FP32_GATHER + COMPILE, QWEN3_MOE),
     Layout("Qwen3-MoE bias: FSDP 2", 2, 2, 4, model=QWEN3_MOE_BIAS),
     Layout("Qwen3-MoE bias: FSDP 2 + GA 2 + AC full", 2, 1, 4, AC_FULL, QWEN3_MOE_BIAS),
     Layout("Qwen3-MoE bias: PP 2, 1F1B", 2, 4, 4, pp(2), QWEN3_MOE_BIAS),
@@ -360,18 +367,23 @@ def bf16_matrix(layouts: list[Layout], folder: Path, bound: float) -> list[tuple
         one_error = max_loss_diff(fp32, one, steps)
         references[batch, model, microbatch] = fp32, steps, one_error
         name = f"1 process, batch {batch} {' '.join(model)}".strip()
-        rows.append((name, 1, steps, one_error, 1.0, "reference"))
+        rows.append((name, 1, steps, one_error, 1.0, "", "reference"))
         print(f"{name}: {one_error:.2e} over {steps} steps", flush=True)
     for i, layout in enumerate(layouts):
         fp32, steps, one_error = references[layout.reference]
         bf16 = dataclasses.replace(layout, model=(*BF16_SETUP, *layout.model))
         metrics, error, _ = run(folder / f"layout-{i}", layout.nproc, [*bf16.argv(BF16_STEPS), *BF16])
         if error is not None:
-            rows.append((layout.name, layout.nproc, steps, math.nan, math.nan, f"FAIL {error}"))
+            rows.append((layout.name, layout.nproc, steps, math.nan, math.nan, "", f"FAIL {error}"))
         else:
             diff = max_loss_diff(fp32, metrics, steps)
             status = "ok" if diff <= bound * one_error else "FAIL"
-            rows.append((layout.name, layout.nproc, steps, diff, diff / one_error, status))
+            graphs = (
+                f"{metrics[-1]['compiled_graphs']} ({metrics[-1]['graph_breaks']})"
+                if "compiled_graphs" in metrics[-1]
+                else ""
+            )
+            rows.append((layout.name, layout.nproc, steps, diff, diff / one_error, graphs, status))
         print(f"{layout.name}: {rows[-1][-1]}", flush=True)
     return rows
 
@@ -442,8 +454,18 @@ def main() -> int:
 def bf16_main(layouts: list[Layout], keep: Path | None, bound: float) -> int:
     with tempfile.TemporaryDirectory(prefix="parity-bf16-") as tmp:
         rows = bf16_matrix(layouts, keep or Path(tmp), bound)
-    header = ("layout", "procs", "steps", "bf16 max |loss - fp32 1 process|", "/ 1 bf16 process", "")
-    cells = [header] + [(name, str(n), str(s), f"{d:.2e}", f"{r:.2f}", ok) for name, n, s, d, r, ok in rows]
+    header = (
+        "layout",
+        "procs",
+        "steps",
+        "bf16 max |loss - fp32 1 process|",
+        "/ 1 bf16 process",
+        "graphs",
+        "",
+    )
+    cells = [header] + [
+        (name, str(n), str(s), f"{d:.2e}", f"{r:.2f}", g, ok) for name, n, s, d, r, g, ok in rows
+    ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
     print("\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells))
     failed = [row for row in rows if row[-1].startswith("FAIL")]

@@ -68,17 +68,16 @@ def test_resume_is_bitwise(tmp_path, layout):
 # in test_qwen3_resume.py (checkpointing and resharding are the model families' shared code).
 GLOBAL_BATCH_8 = ["--training.global_batch_size", "8"]
 HSDP2X2 = ["--parallelism.data_parallel_replicate_degree", "2", *GLOBAL_BATCH_8]
-RESHARD_TARGETS = {
-    "single": (1, 8, GLOBAL_BATCH_8),
+RESHARD_TARGETS = {  # FSDP -> one process: test_context_parallel.py (CP 2) and test_pipeline.py
     "tp2": (2, 4, ["--parallelism.tensor_parallel_degree", "2", *GLOBAL_BATCH_8]),
 }
 
 
 def test_resume_on_other_layouts(tmp_path):
     """Saved by HSDP over 2 x 2 ranks (batch 1 each, 2 micro-batches a step). Resumed by HSDP 2 x 2: the
-    losses are those of the run that never stopped, bit for bit. Resumed by one process (batch 8) and by
-    TP 2 (2 micro-batches of 4): the optimizer state is resharded and the data stream goes on, so the
-    losses continue them within 1e-5: HSDP with accumulation trains as one process does."""
+    losses are those of the run that never stopped, bit for bit. Resumed by TP 2 (2 micro-batches of 4):
+    the optimizer state is resharded and the data stream goes on, so the losses continue them within
+    1e-5: HSDP with accumulation trains as TP (and so one process) does."""
     straight = straight_run(tmp_path / "hsdp2x2", 4, 1, *HSDP2X2)
     resumed = resume_from_step_4(tmp_path / "hsdp2x2", tmp_path / "resumed", 4, 1, *HSDP2X2)
     for step, loss in resumed.items():

@@ -1,6 +1,6 @@
 """Context parallelism (parallelisms/context_parallel.py): how a sequence is split, each chunk's
 attention (CPU's and CUDA's forms), and CP 2 end to end: the losses, gradient norms and validation losses
-of one process over 10 steps at 512 tokens, a SIGKILL of both ranks relaunched bit for bit, and its
+of one process over 10 steps at 256 tokens, a SIGKILL of both ranks relaunched bit for bit, and its
 checkpoint resumed by one process within 1e-5. The other layouts (CP 4, CP x FSDP, CP x TP, PP x CP):
 test_parity.py; a checkpoint of FSDP resumed by CP 2: test_qwen3_resume.py; every layout:
 scripts/parity_matrix.py."""
@@ -13,7 +13,7 @@ from launch import TINY_JOB, losses, run_train
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from scripts import chaos
-from scripts.parity_matrix import QWEN3_LONG, Layout, cp, run_layout
+from scripts.parity_matrix import QWEN3_CP_CI, Layout, cp, run_layout
 from torchtitan.parallelisms.context_parallel import (
     chunked_causal_attention,
     load_balanced_positions,
@@ -86,7 +86,7 @@ def test_the_cuda_bias_is_that_mask_and_is_made_under_selective_checkpointing():
 
 
 CHECKPOINTS = ("--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "2")
-CP2 = Layout("Qwen3 untied, 512 tokens: CP 2", 2, 4, 4, cp(2) + CHECKPOINTS, QWEN3_LONG)
+CP2 = Layout("Qwen3 untied, 256 tokens: CP 2", 2, 4, 4, cp(2) + CHECKPOINTS, QWEN3_CP_CI)
 
 
 def test_cp2_matches_one_process_and_resumes_exactly(tmp_path, reference_run):
@@ -110,7 +110,7 @@ def test_cp2_matches_one_process_and_resumes_exactly(tmp_path, reference_run):
 
     # CP 2's step 6 resumed by one process (the whole sequences, batch 4).
     shutil.copytree(straight / "checkpoint" / "step-6", one / "checkpoint" / "step-6")
-    single = Layout("one process", 1, 4, 4, CHECKPOINTS, QWEN3_LONG)
+    single = Layout("one process", 1, 4, 4, CHECKPOINTS, QWEN3_CP_CI)
     result = run_train(1, one, *single.argv(10))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Resumed from step 6" in result.stdout

@@ -506,7 +506,11 @@ def _mesh_worker(rank: int, world_size: int, tmp_dir: str) -> None:
         # bf16 on FSDP 4 (Llama: the embeddings a unit of their own) and DDP 4 (Qwen3, tied embeddings:
         # the root keeps the table), each rank on the same batch.
         tokens = torch.randint(0, TINY.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
-        results["bf16_fsdp"] = _bf16_step(TINY, Transformer, ParallelDims(dp_shard=4, world_size=4), tokens)
+        fsdp = ParallelDims(dp_shard=4, world_size=4)
+        results["bf16_fsdp"] = _bf16_step(TINY, Transformer, fsdp, tokens)
+        results["bf16_fsdp_gathered_in_fp32"] = _bf16_step(
+            TINY, Transformer, fsdp, tokens, fsdp_gather_dtype="float32"
+        )
         ddp = ParallelDims(dp_shard=1, dp_replicate=4, world_size=4)
         results["bf16_ddp"] = _bf16_step(
             QWEN3_TINY, Qwen3Transformer, ddp, tokens, data_parallel_replicate_degree=4
@@ -595,13 +599,13 @@ def test_qwen3_tied_on_fsdp_tp_matches_single_process(mesh_results):
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("case", ["bf16_fsdp", "bf16_ddp"])
+@pytest.mark.parametrize("case", ["bf16_fsdp", "bf16_fsdp_gathered_in_fp32", "bf16_ddp"])
 def test_bf16_on_fsdp_and_ddp_computes_what_one_process_does(mesh_results, case):
     """One mixed-precision semantics on every layout (docs/numerics.md): FSDP's and DDP's units round the
-    matmul weights as one process's autocast does, and keep the norms, the embeddings and the residual
-    stream in fp32. Casting every parameter and the blocks' inputs (FSDP's default) moves this loss by
-    about 1e-3."""
-    args, cls = (TINY, Transformer) if case == "bf16_fsdp" else (QWEN3_TINY, Qwen3Transformer)
+    matmul weights as one process's autocast does (FSDP gathering them in bf16, or in fp32 for autocast
+    to round), and keep the norms, the embeddings and the residual stream in fp32. Casting every
+    parameter and the blocks' inputs (FSDP's default) moves this loss by about 1e-3."""
+    args, cls = (QWEN3_TINY, Qwen3Transformer) if case == "bf16_ddp" else (TINY, Transformer)
     tokens = torch.randint(0, TINY.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     loss, grads = _bf16_step(args, cls, None, tokens)
     got_loss, got_grads = mesh_results[case]
@@ -669,3 +673,56 @@ def test_expert_parallel_step_matches_single_process(mesh_results, case):
     assert ep_grads.keys() == grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(ep_grads[name], grad, rtol=0, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Graphs per compiled block on FSDP 2 in bf16 (2 processes)
+
+
+def _compiled_graphs(args, cls, name: str, mesh, dims: ParallelDims, gather: str) -> dict[str, int]:
+    """Dynamo's graphs and breaks over one bf16 training step of a compiled model on FSDP."""
+    config = _config(fsdp_gather_dtype=gather)
+    config.training.mixed_precision_param, config.training.compile, config.model.name = "bfloat16", True, name
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = _build(args, mesh, dims, config, cls)
+    step = TrainStep([model], None, dims, config.training, torch.device("cpu"))
+    tokens = torch.randint(0, args.vocab_size, (1, 17), generator=torch.Generator().manual_seed(0))
+    step.forward_backward(iter([(tokens[:, :-1], tokens[:, 1:])]), microbatches=1)
+    counters = torch._dynamo.utils.counters
+    return {"graphs": counters["stats"]["unique_graphs"], "breaks": sum(counters["graph_break"].values())}
+
+
+def _compile_worker(rank: int, world_size: int, tmp_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_dir}/store", rank=rank, world_size=world_size)
+    try:
+        dims = ParallelDims(dp_shard=2, world_size=2)
+        mesh = dims.build_mesh("cpu")
+        results = {
+            name: _compiled_graphs(args, cls, name, mesh, dims, "float32")
+            for name, args, cls in (
+                ("llama3", replace(TINY, n_layers=2), Transformer),
+                ("qwen3", QWEN3_TINY, Qwen3Transformer),
+                ("qwen3_moe", MOE_TINY, Qwen3MoeTransformer),
+            )
+        }
+        if rank == 0:
+            torch.save(results, f"{tmp_dir}/results.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def compiled_graphs(tmp_path_factory):
+    tmp_dir = tmp_path_factory.mktemp("compile2")
+    mp.spawn(_compile_worker, args=(2, str(tmp_dir)), nprocs=2, join=True)
+    return torch.load(tmp_dir / "results.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "qwen3_moe"])
+def test_fsdp_bf16_blocks_compile_as_one_graph(compiled_graphs, name):
+    """parallelism.fsdp_gather_dtype = "float32": each block one FSDP unit, its norms inside, so it
+    compiles whole: one graph for the blocks (alike in each model), one for the loss, no break. With
+    "bfloat16" (the norms units of their own) Llama's compiles 4 graphs with 2 breaks."""
+    assert compiled_graphs[name] == {"graphs": 2, "breaks": 0}

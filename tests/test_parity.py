@@ -16,7 +16,7 @@ from scripts.parity_matrix import (
     AC_OP,
     CHUNKED_LOSS,
     FSDP_KNOBS,
-    QWEN3_LONG,
+    QWEN3_CP_CI,
     QWEN3_MOE_BOTH,
     Layout,
     cp,
@@ -30,36 +30,36 @@ STEPS = 10  # reference_run's
 MICROBATCHES_4 = ("--parallelism.pipeline_parallel_microbatches", "4")
 TOL = 1e-5
 CI_LAYOUTS = [
-    # Context parallelism on 512-token sequences of Qwen3 (its per-head q/k norms and half-rotation RoPE
+    # Context parallelism on 256-token sequences of Qwen3 (its per-head q/k norms and half-rotation RoPE
     # on each rank's chunks): CP alone; under FSDP, with its knobs and gradient accumulation; with TP
     # (Qwen3's block plan extends Llama's: loss parallel, selective AC, the chunked loss and gradient
     # accumulation, FSDP over the cp ranks); inside pipeline stages (their code is any family's: 1F1B on
     # 4 micro-batches). CP 2, its bitwise and cross-layout resume: test_context_parallel.py. Tied
     # embeddings: test_parallelisms.py on FSDP x TP, test_qwen3_resume.py.
-    Layout("Qwen3 untied, 512 tokens: CP 4", 4, 4, 4, cp(4), QWEN3_LONG),
+    Layout("Qwen3 untied, 256 tokens: CP 4", 4, 4, 4, cp(4), QWEN3_CP_CI),
     Layout(
-        "Qwen3 untied, 512 tokens: CP 2 x FSDP 2 + GA 2, reshard always, prefetch 2",
+        "Qwen3 untied, 256 tokens: CP 2 x FSDP 2 + GA 2, reshard always, prefetch 2",
         4,
         1,
         4,
         cp(2) + FSDP_KNOBS,
-        QWEN3_LONG,
+        QWEN3_CP_CI,
     ),
     Layout(
-        "Qwen3 untied, 512 tokens: CP 2 x TP 2 + GA 2 + AC selective op + chunked loss, reshard always",
+        "Qwen3 untied, 256 tokens: CP 2 x TP 2 + GA 2 + AC selective op + chunked loss, reshard always",
         4,
         2,
         4,
         cp(2) + tp(2) + AC_OP + FSDP_KNOBS + CHUNKED_LOSS,
-        QWEN3_LONG,
+        QWEN3_CP_CI,
     ),
     Layout(
-        "Qwen3 untied, 512 tokens: PP 2 x CP 2, 1F1B, 4 micro-batches",
+        "Qwen3 untied, 256 tokens: PP 2 x CP 2, 1F1B, 4 micro-batches",
         4,
         4,
         4,
         pp(2) + cp(2) + MICROBATCHES_4,
-        QWEN3_LONG,
+        QWEN3_CP_CI,
     ),
     # Qwen3-MoE (docs/moe.md), both balancing methods on (one reference): expert parallelism with TP 2
     # on attention and its dense first layer (each tp rank routes its own sequence shard), activations

@@ -1,17 +1,20 @@
-"""What the performance figures rest on: the FLOPs counted per token, the peak table, the 1B recipe."""
+"""What the performance figures rest on: the FLOPs counted per token, the peak table, the 1B recipe,
+no host-device sync in a training step that does not log."""
 
+import collections
 import sys
+import traceback
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
-from launch import ROOT, run_train_in_process
+from launch import ROOT, TINY_JOB, run_train_in_process
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from torchtitan.metrics import MetricLogger, peak_flops
 from torchtitan.metrics import flops_per_token as flops_per_token_fn
-from torchtitan.metrics import peak_flops
 from torchtitan.models.llama import ModelArgs, llama3_configs
 from torchtitan.models.llama.model import Transformer
 
@@ -105,3 +108,44 @@ def test_gpu_benchmark_grouped_gemm_part_on_cpu(tmp_path):
     for key in ("y", "dx"):
         assert 0 < result["grouped_bf16_error"][key] < 0.02
         assert result["grouped_bf16_error"][key] == pytest.approx(result["loop_bf16_error"][key], rel=0.5)
+
+
+# On CUDA each of these waits for the GPU to finish the work queued before it: a scalar read back,
+# a tensor copied to the host, or a tensor built from Python values on the device.
+SYNCS = ("item", "tolist", "__bool__", "__int__", "__float__", "cpu", "numpy")
+
+
+def test_steps_that_do_not_log_never_wait_for_the_device(tmp_path, monkeypatch):
+    """A Qwen3-MoE step (routing, load balancing, clipping, the stop check) reads nothing back from the
+    device unless it logs (every metrics.log_freq steps): the host runs ahead and the GPU never idles.
+    On CPU every tensor is a host tensor, so the calls that would sync on CUDA are counted instead,
+    except in the optimizer (AdamW keeps its step counts on the host). docs/performance.md lists the
+    syncs that remain and why."""
+    calls: dict[int, list[str]] = collections.defaultdict(list)
+    steps_done = [0]
+    step_done = MetricLogger.step_done
+
+    def counting_step_done(self) -> None:
+        steps_done[0] += 1
+        step_done(self)
+
+    def counting(name, original):
+        def wrapper(*args, **kwargs):
+            if name != "tensor" or kwargs.get("device") is not None:
+                stack = traceback.extract_stack()[:-1]
+                if "torch/optim/" not in stack[-1].filename:
+                    calls[steps_done[0]].append(f"{name} at {stack[-1].filename}:{stack[-1].lineno}")
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(MetricLogger, "step_done", counting_step_done)
+    for name in SYNCS:
+        monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+    monkeypatch.setattr(torch, "tensor", counting("tensor", torch.tensor))
+    job = [*TINY_JOB, "--job.dump_folder", str(tmp_path), "--training.steps", "6", "--metrics.log_freq", "3"]
+    qwen3_moe = ["--model.name", "qwen3_moe", "--model.tokenizer_path", "assets/tokenizer/kjv_bpe_hf"]
+    assert run_train_in_process(*job, *qwen3_moe, "--moe.bias_update_rate", "0.01") == 0
+    # Steps 1, 3 and 6 log; calls counted at k come after step k's update and before step k + 1's.
+    assert calls[1] and calls[3]  # the logging steps read the loss and the gradient norm
+    assert calls[2] == calls[4] == calls[5] == [], {k: calls[k] for k in (2, 4, 5)}

@@ -88,7 +88,8 @@ class LoadBalance:
             layer.tokens_per_expert.zero_()
         # Pipeline stages hold different layers: the load ratio is averaged over all of them.
         ratios = counts.max(-1).values / counts.mean(-1)
-        load = torch.stack([ratios.sum(), torch.tensor(float(len(ratios)), device=ratios.device)])
+        # torch.full launches a kernel; torch.tensor(..., device=cuda) would copy and wait for the GPU.
+        load = torch.stack([ratios.sum(), torch.full((), float(len(ratios)), device=ratios.device)])
         if self.pp is not None:
             dist.all_reduce(load, group=self.pp.get_group())
         metrics = {"expert_load": load[0] / load[1]}

@@ -89,6 +89,7 @@ class MetricLogger:
         self.tokens_per_step = tokens_per_step
         self.device = device
         self.is_logging_rank = is_logging_rank
+        self.compiled = job_config.training.compile
         color = job_config.metrics.enable_color_printing
         self.c = _Colors(sys.stdout.isatty() if color is None else color)
         self.jsonl = None
@@ -201,6 +202,12 @@ class MetricLogger:
         if source_tokens is not None:
             record["source_tokens"] = source_tokens
         record.update(moe or {})
+        if (
+            self.compiled
+        ):  # so far in this process: one graph per distinct block and one for the loss is ideal
+            counters = torch._dynamo.utils.counters
+            record["compiled_graphs"] = counters["stats"]["unique_graphs"]
+            record["graph_breaks"] = sum(counters["graph_break"].values())
         if self.is_logging_rank:
             self._write(record, mfu, eta)
         self._window_start, self._window_steps, self._data_time = time.perf_counter(), 0, 0.0

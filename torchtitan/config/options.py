@@ -211,6 +211,14 @@ class ParallelismConfig:
         "always, never (more memory, less communication)",
         choices=("default", "always", "never"),
     )
+    fsdp_gather_dtype: str = opt(
+        "bfloat16",
+        "With bf16 mixed precision, the dtype FSDP/HSDP all-gather the blocks' weights in: bfloat16 (half "
+        "the traffic; each norm is then an fp32 unit of its own, which splits a compiled block into "
+        "pieces) or float32 (one unit and one compiled graph per block, autocast rounding the matmul "
+        "weights inside it; twice the traffic). The same numbers either way (docs/numerics.md)",
+        choices=("bfloat16", "float32"),
+    )
     fsdp_forward_prefetch: int = opt(
         0, "Blocks whose parameters each block all-gathers ahead in forward; 0: FSDP's implicit one", min=0
     )

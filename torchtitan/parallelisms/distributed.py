@@ -98,12 +98,13 @@ def _squared_norm(grads: list[torch.Tensor], accumulate_dtype: torch.dtype | Non
     # Partial sums (TP without FSDP leaves replicated weights' gradients so) are summed first.
     grads = [g.redistribute(g.device_mesh, [_reduced(p) for p in g.placements]) for g in grads]
     local = [g.to_local() for g in grads]
-    squares = torch.stack(torch._foreach_norm(local, 2.0, dtype=accumulate_dtype)) ** 2
+    squares = torch._foreach_pow(torch._foreach_norm(local, 2.0, dtype=accumulate_dtype), 2)
     mesh = grads[0].device_mesh
     replicas = [
         math.prod(mesh.size(dim) for dim, p in enumerate(g.placements) if p.is_replicate()) for g in grads
     ]
-    total = (squares / torch.tensor(replicas, dtype=squares.dtype, device=squares.device)).sum()
+    # Divided by Python numbers, not a tensor built from them: that would copy to the GPU and wait.
+    total = torch.stack(torch._foreach_div(squares, replicas)).sum()
     for dim in range(mesh.ndim):
         dist.all_reduce(total, group=mesh.get_group(dim))
     return total

@@ -70,11 +70,14 @@ def parallelize(
         apply_ac(model, ac.mode, ac.selective_ac_option)
     wrapped = parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled
     mp_policy, fp32_policy = mixed_precision_policies(job_config)
-    # Mixed precision under FSDP/DDP: the fp32 units (norms and embeddings) are units of their own,
-    # whose hooks dynamo cannot trace inside a compiled block (apply_compile).
     fp32_policy = fp32_policy if wrapped and mp_policy.param_dtype != torch.float32 else None
+    # Blocks gathered in bf16 hold their norms as fp32 units of their own, whose FSDP hooks dynamo
+    # cannot trace inside a compiled block. DDP gathers nothing: its blocks stay whole in fp32.
+    norm_units = (
+        fp32_policy is not None and parallel_dims.fsdp_enabled and par.fsdp_gather_dtype == "bfloat16"
+    )
     if job_config.training.compile:
-        apply_compile(model, fullgraph=fp32_policy is None and not parallel_dims.ep_enabled)
+        apply_compile(model, fullgraph=not norm_units and not parallel_dims.ep_enabled)
 
     if parallel_dims.fsdp_enabled:
         if par.fsdp_reshard_after_forward == "default":
@@ -87,6 +90,7 @@ def parallelize(
             fsdp_mesh(world_mesh, parallel_dims),
             mp_policy,
             fp32_policy,
+            norm_units=norm_units,
             reshard_after_forward=reshard,
             forward_prefetch=par.fsdp_forward_prefetch,
             backward_prefetch=par.fsdp_backward_prefetch,
@@ -105,7 +109,8 @@ def mixed_precision_policies(job_config: JobConfig) -> tuple[MixedPrecisionPolic
     Autocast runs the matmuls in `mixed_precision_param` on every layout (train_step.autocast_context)
     and keeps everything else in fp32. FSDP gathers the matmul weights in that dtype, which rounds them
     as autocast would before a matmul, at half the traffic, and the norms' weights and the embeddings
-    in fp32, as autocast leaves them; no unit casts its inputs, so the residual stream stays fp32.
+    in fp32, as autocast leaves them (or, with fsdp_gather_dtype float32, gathers the blocks whole in
+    fp32 for autocast to round); no unit casts its inputs, so the residual stream stays fp32.
     Casting those too (FSDP's default) gave 3.4x one process's bf16 error: a norm weight near 1 moves
     by less than bf16's step there, and the residual stream is rounded at every block."""
     reduce_dtype = DTYPES[job_config.training.mixed_precision_reduce]
@@ -253,6 +258,7 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy,
     fp32_policy: MixedPrecisionPolicy | None,
     reshard_after_forward: bool | str,
+    norm_units: bool = True,
     forward_prefetch: int = 0,
     backward_prefetch: int = 0,
     keep_root_after_forward: bool = False,
@@ -261,9 +267,10 @@ def apply_fsdp(
     """FSDP2: shard each transformer block, then the root (embeddings, final norm, output).
 
     With `fp32_policy` (mixed precision: mixed_precision_policies) the fp32_units are units of their
-    own with that policy, and the rest takes `mp_policy`. The embeddings are resharded after forward
-    like a block (FSDP gathers them again for backward, which needs only their gradient): kept, their
-    fp32 table would hold 2 GiB more on Llama 3 8B.
+    own with that policy, and the rest takes `mp_policy`; without `norm_units` (fsdp_gather_dtype
+    float32) the blocks are gathered whole with `fp32_policy`, their norms inside. The embeddings are
+    resharded after forward like a block (FSDP gathers them again for backward, which needs only their
+    gradient): kept, their fp32 table would hold 2 GiB more on Llama 3 8B.
 
     `moe_meshes` (parallel_dims.moe_fsdp_meshes): a mixture-of-experts layer's own unit and its
     experts' under EP, sharded first over their meshes when those are not the block's. The gradients
@@ -277,6 +284,7 @@ def apply_fsdp(
     setting). A prefetch count N makes each block all-gather the next N blocks' parameters (the
     previous N in backward) instead of FSDP's implicit one."""
     blocks = list(model.layers.values())
+    block_policy = mp_policy if norm_units or fp32_policy is None else fp32_policy
     layer_mesh, expert_mesh = moe_meshes
     for i, block in enumerate(blocks):
         reshard = i < len(blocks) - 1 if reshard_after_forward == "all_but_last" else reshard_after_forward
@@ -284,14 +292,14 @@ def apply_fsdp(
             for module, mesh in ((moe.experts, expert_mesh), (moe, layer_mesh)):
                 if mesh is None:
                     continue
-                fully_shard(module, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+                fully_shard(module, mesh=mesh, mp_policy=block_policy, reshard_after_forward=reshard)
                 module.set_gradient_divide_factor(float(dp_mesh.size()))
                 # Reduce-scatter a sum, then divide (gloo has no pre-multiplied sum). Not over one
                 # rank, where torch 2.13 would then divide twice.
                 module.set_force_sum_reduction_for_comms(mesh.size(mesh.ndim - 1) > 1)
-        for unit in fp32_units(block) if fp32_policy else []:
+        for unit in fp32_units(block) if fp32_policy and norm_units else []:
             fully_shard(unit, mesh=dp_mesh, mp_policy=fp32_policy, reshard_after_forward=reshard)
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard)
+        fully_shard(block, mesh=dp_mesh, mp_policy=block_policy, reshard_after_forward=reshard)
     reshard = True if reshard_after_forward == "all_but_last" else reshard_after_forward
     for unit in fp32_units(model) if fp32_policy else []:
         fully_shard(unit, mesh=dp_mesh, mp_policy=fp32_policy, reshard_after_forward=reshard)
@@ -316,11 +324,11 @@ def apply_ddp(
     fp32_policy: MixedPrecisionPolicy | None,
 ) -> None:
     """Plain data parallelism (replicas only), on FSDP2's machinery: per-block gradient all-reduce
-    buckets, and the same mixed precision (units) and accumulation controls as FSDP."""
+    buckets, and the same mixed precision and accumulation controls as FSDP. Replicas gather nothing,
+    so the blocks keep their fp32 weights whole (one unit, one compiled graph each) and autocast rounds
+    the matmul weights, as on one process; the root's units are FSDP's."""
     for block in model.layers.values():
-        for unit in fp32_units(block) if fp32_policy else []:
-            replicate(unit, mesh=dp_mesh, mp_policy=fp32_policy)
-        replicate(block, mesh=dp_mesh, mp_policy=mp_policy)
+        replicate(block, mesh=dp_mesh, mp_policy=fp32_policy or mp_policy)
     for unit in fp32_units(model) if fp32_policy else []:
         replicate(unit, mesh=dp_mesh, mp_policy=fp32_policy)
     replicate(model, mesh=dp_mesh, mp_policy=root_mp_policy(model, mp_policy, fp32_policy))
