@@ -55,13 +55,18 @@ def part_moe_layer(tmp: str) -> dict:
     def seconds(
         forward, experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor, grad: torch.Tensor
     ) -> float:
-        for _ in range(3):
+        def step() -> None:  # gradients start from None, as after train.py's zero_grad
+            x.grad = None
+            experts.zero_grad(set_to_none=True)
             forward(experts, x, counts).backward(grad)
+
+        for _ in range(3):
+            step()
         best = float("inf")
         for _ in range(5):
             start = time.process_time()
             for _ in range(10):
-                forward(experts, x, counts).backward(grad)
+                step()
             best = min(best, (time.process_time() - start) / 10)
         return best
 
@@ -183,8 +188,8 @@ def moe_rows(run_part: Callable[..., dict], add: Callable[..., None]) -> None:
     add(
         "MoE step time",
         e["value"],
-        "<= 1.5",
-        e["value"] <= 1.5,
+        "<= 1.2",
+        e["value"] <= 1.2,
         f"Qwen3-MoE debugmodel {ms(e['moe'])}, dense Qwen3 of the same active parameters "
         f"{ms(e['dense'])} (a hand-written loop, one process)",
         e,

@@ -31,39 +31,51 @@ def _training_forward() -> bool:
 
 
 # torch._grouped_mm as custom ops of ours: torch's own fake kernel for it accepts only bf16 (torch 2.13),
-# so torch.compile could not trace a float32 model's experts; these trace in any dtype.
+# so torch.compile could not trace a float32 model's experts; these trace in any dtype. The weights'
+# transposes happen inside the ops, where the compiler does not see them: the parameters (experts, out,
+# in) and their gradients keep one layout, with no transposing copy.
 @torch.library.custom_op("torchtitan::grouped_mm", mutates_args=())
-def _grouped_mm(x: torch.Tensor, weight_t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """(rows, in) x (experts, in, out) -> (rows, out): the rows of expert e end at offsets[e]."""
-    return torch._grouped_mm(x, weight_t, offs=offsets)
+def _grouped_mm(
+    x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transpose: bool
+) -> torch.Tensor:
+    """x (rows, a) times each expert's weight, (experts, b, a) transposed or (experts, a, b) as it is ->
+    (rows, b): the rows of expert e end at offsets[e]."""
+    return torch._grouped_mm(x, weight.transpose(-2, -1) if transpose else weight, offs=offsets)
 
 
 @_grouped_mm.register_fake
-def _(x: torch.Tensor, weight_t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight_t.shape[2])
+def _(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transpose: bool) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[1] if transpose else weight.shape[2])
 
 
 @torch.library.custom_op("torchtitan::grouped_mm_weight_grad", mutates_args=())
-def _grouped_mm_weight_grad(x: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """(rows, in), (rows, out) -> (experts, in, out): each expert's x_e^T @ grad_e."""
-    return torch._grouped_mm(x.t(), grad, offs=offsets)
+def _grouped_mm_weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """(rows, p), (rows, q) -> (experts, p, q): each expert's a_e^T @ b_e."""
+    return torch._grouped_mm(a.t(), b, offs=offsets)
 
 
 @_grouped_mm_weight_grad.register_fake
-def _(x: torch.Tensor, grad: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(offsets.shape[0], x.shape[1], grad.shape[1])
+def _(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(offsets.shape[0], a.shape[1], b.shape[1])
 
 
 def _grouped_mm_setup(ctx, inputs: tuple, output: torch.Tensor) -> None:
-    ctx.save_for_backward(*inputs)
+    x, weight, offsets, ctx.transpose = inputs
+    ctx.save_for_backward(x, weight, offsets)
 
 
 def _grouped_mm_backward(ctx, grad: torch.Tensor) -> tuple:
-    x, weight_t, offsets = ctx.saved_tensors
+    x, weight, offsets = ctx.saved_tensors
     grad = grad.contiguous()  # torch._grouped_mm refuses an expanded or strided gradient
-    grad_x = _grouped_mm(grad, weight_t.transpose(-2, -1), offsets) if ctx.needs_input_grad[0] else None
-    grad_w = _grouped_mm_weight_grad(x, grad, offsets) if ctx.needs_input_grad[1] else None
-    return grad_x, grad_w, None
+    grad_x = _grouped_mm(grad, weight, offsets, not ctx.transpose) if ctx.needs_input_grad[0] else None
+    grad_w = None
+    if ctx.needs_input_grad[1]:  # y = x W^T: dW = grad^T x; y = x W: dW = x^T grad
+        grad_w = (
+            _grouped_mm_weight_grad(grad, x, offsets)
+            if ctx.transpose
+            else _grouped_mm_weight_grad(x, grad, offsets)
+        )
+    return grad_x, grad_w, None, None
 
 
 _grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
@@ -80,7 +92,7 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> 
     if pad_in or pad_out:
         x = F.pad(x, (0, pad_in))
         weight = F.pad(weight, (0, pad_in, 0, pad_out))
-    out = _grouped_mm(x, weight.transpose(-2, -1), offsets)
+    out = _grouped_mm(x, weight, offsets, True)
     return out[:, :d_out] if pad_out else out
 
 
