@@ -65,7 +65,7 @@ def main(job_config: JobConfig) -> int:
     with bad_input("model.tokenizer_path"):
         tokenizer = build_tokenizer(resolve_path(job_config.model.tokenizer_path))
     spec = model_spec(job_config.model)
-    model_args = build_model_args(job_config, tokenizer.n_words)
+    model_args = build_model_args(job_config, tokenizer.n_words, tokenizer.eos_id, tokenizer.bos_id)
     with torch.device("meta"):
         model = spec.build(model_args)
     logger.info(f"Model {job_config.model.name} {job_config.model.flavor}: {model.num_params():,} parameters")

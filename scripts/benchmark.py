@@ -65,6 +65,7 @@ sys.path.insert(0, str(ROOT))
 
 # One module per group of rows, each with the parts it runs in fresh processes and the rows it adds.
 sys.path.insert(0, str(ROOT / "scripts"))
+import benchmark_attention  # noqa: E402
 import benchmark_checkpoint  # noqa: E402
 import benchmark_context_parallel  # noqa: E402
 import benchmark_data  # noqa: E402
@@ -89,6 +90,7 @@ PARTS: dict[str, Callable[[str], dict]] = {
     "moe_layer": benchmark_moe.part_moe_layer,
     "moe_all_to_all": benchmark_moe.part_moe_all_to_all,
     "context_parallel": benchmark_context_parallel.part_context_parallel,
+    "attention_mask": benchmark_attention.part_attention_mask,
 }
 
 
@@ -155,11 +157,16 @@ def run_all(threads: int, tmp: str, only: str | None = None) -> dict:
     benchmark_memory.chunked_loss_rows(part, add)
     benchmark_moe.moe_rows(part, add)
     benchmark_context_parallel.context_parallel_rows(part, add)
+    benchmark_attention.attention_mask_rows(part, add)
     return {"setup": setup, "figures": figures}
 
 
 # The groups of rows `--only` measures alone.
-ROWS = {"context_parallel": benchmark_context_parallel.context_parallel_rows, "moe": benchmark_moe.moe_rows}
+ROWS = {
+    "context_parallel": benchmark_context_parallel.context_parallel_rows,
+    "moe": benchmark_moe.moe_rows,
+    "attention_mask": benchmark_attention.attention_mask_rows,
+}
 
 
 def print_table(results: dict) -> None:

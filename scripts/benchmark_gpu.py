@@ -11,6 +11,7 @@ minutes prints one table (docs/performance.md keeps the figures, with their setu
 | moe_grouped_mm | a Qwen3-30B-A3B-width expert layer, forward + backward: a grouped GEMM per projection |
 |  | vs the per-expert loop, and the values of both vs float32 on the CPU |
 | llama8b_4layers | Llama 3 8B's width with 4 layers, 1 x 8192 tokens, compiled |
+| llama1b_block_causal | llama1b with block_causal attention (FlexAttention), as the recipe has it |
 | llama1b_chunked_loss | llama1b with training.loss_chunk_tokens 2048, as the recipe has it |
 | llama1b_fp8_tensorwise, llama1b_fp8_rowwise | llama1b with float8 linear layers (torchao) |
 | qwen3_moe_2layers | Qwen3-30B-A3B's width with 2 layers, 2 x 4096 tokens, compiled |
@@ -90,9 +91,10 @@ def train_figures(
     }
 
 
-LLAMA_1B = [  # full logits, as torchtitan_1b computes its loss; the recipe chunks them
+LLAMA_1B = [  # full logits and the causal mask, as torchtitan_1b runs; the recipe chunks and masks documents
     "--job.config_file", str(ROOT / "train_configs" / "llama3_1b.toml"),
     "--training.global_batch_size", "-1", "--training.loss_chunk_tokens", "0",
+    "--model.attn_mask_type", "causal",
 ]  # fmt: skip
 
 
@@ -104,6 +106,12 @@ def part_llama1b_chunked_loss(out: Path, small: bool) -> dict:
     return train_figures(
         out, "llama1b_chunked_loss", [*LLAMA_1B, "--training.loss_chunk_tokens", "2048"], small, None
     )
+
+
+def part_llama1b_block_causal(out: Path, small: bool) -> dict:
+    """llama1b with packed documents attending within themselves (FlexAttention), as the recipe has it."""
+    argv = [*LLAMA_1B, "--model.attn_mask_type", "block_causal"]
+    return train_figures(out, "llama1b_block_causal", argv, small, None)
 
 
 def fp8(out: Path, small: bool, recipe: str) -> dict:
@@ -122,7 +130,8 @@ def part_llama1b_fp8_rowwise(out: Path, small: bool) -> dict:
 def part_llama8b_4layers(out: Path, small: bool) -> dict:
     argv = [
         "--job.config_file", str(ROOT / "train_configs" / "llama3_1b.toml"),
-        "--model.name", "llama3", "--training.batch_size", "1", "--training.seq_len", "8192",
+        "--model.attn_mask_type", "causal", "--model.name", "llama3",
+        "--training.batch_size", "1", "--training.seq_len", "8192",
         "--training.global_batch_size", "-1",
     ]  # fmt: skip
     return train_figures(out, "llama8b_4layers", argv, small, ("llama3", "8B", 4))
@@ -273,6 +282,7 @@ PARTS = {  # name: (function, estimated seconds on an H100), in priority order
     "llama1b": (part_llama1b, 75),
     "torchtitan_1b": (part_torchtitan_1b, 100),
     "moe_grouped_mm": (part_moe_grouped_mm, 30),
+    "llama1b_block_causal": (part_llama1b_block_causal, 60),
     "llama8b_4layers": (part_llama8b_4layers, 70),
     "llama1b_chunked_loss": (part_llama1b_chunked_loss, 50),
     "llama1b_fp8_tensorwise": (part_llama1b_fp8_tensorwise, 70),

@@ -43,7 +43,9 @@ def evaluate(job_config: JobConfig) -> int:
     with bad_input("model.tokenizer_path"):
         tokenizer = build_tokenizer(resolve_path(job_config.model.tokenizer_path))
     with torch.device("meta"):
-        model = model_spec(job_config.model).build(build_model_args(job_config, tokenizer.n_words))
+        model = model_spec(job_config.model).build(
+            build_model_args(job_config, tokenizer.n_words, tokenizer.eos_id, tokenizer.bos_id)
+        )
     model_parts, pipeline = parallelize_model(model, meshes.world, parallel_dims, job_config, device)
     for part in model_parts:
         part.to_empty(device=device)

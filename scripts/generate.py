@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
 def load_model(job_config: JobConfig, tokenizer: AnyTokenizer, device: torch.device) -> torch.nn.Module:
     """The model as train.py builds it (the vocabulary padded to model.vocab_size, the context of
     training.seq_len), with the checkpoint's weights."""
-    model_args = build_model_args(job_config, tokenizer.n_words)
+    model_args = build_model_args(job_config, tokenizer.n_words, tokenizer.eos_id, tokenizer.bos_id)
     path = latest_checkpoint_path(job_config)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     check_model_record(path, job_config.model)

@@ -148,6 +148,14 @@ QWEN3_CP_CI = (*QWEN3_UNTIED, "--training.seq_len", "256")
 QWEN3_MOE = ("--model.name", "qwen3_moe", "--model.tokenizer_path", "assets/tokenizer/kjv_bpe_hf")
 QWEN3_MOE_BIAS = (*QWEN3_MOE, "--moe.aux_loss_coef", "0", "--moe.bias_update_rate", "0.01")
 QWEN3_MOE_BOTH = (*QWEN3_MOE, "--moe.bias_update_rate", "0.01")
+# Packed documents attending within themselves (model.attn_mask_type, docs/attention.md), on documents
+# short enough (the verses of the bundled validation split, ~35 tokens) that every window holds some.
+BLOCK_CAUSAL = (
+    "--model.attn_mask_type",
+    "block_causal",
+    "--training.dataset_path",
+    "tests/assets/verses.jsonl",
+)
 
 MATRIX = [
     Layout("FSDP 2", 2, 2, 4),

@@ -6,12 +6,15 @@ import shutil
 import pytest
 from launch import losses, run_train
 
+from scripts.parity_matrix import BLOCK_CAUSAL
+
 STEPS = ["--training.steps", "8", "--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "4"]
 
 # name: (processes, per-rank batch size, overrides); the global batch is 4 in every layout.
 LAYOUTS = {
     "single": (1, 4, []),
-    "tp2": (2, 4, ["--parallelism.tensor_parallel_degree", "2"]),
+    # With packed documents attending within themselves (block_causal).
+    "tp2": (2, 4, ["--parallelism.tensor_parallel_degree", "2", *BLOCK_CAUSAL]),
 }
 # HSDP 2 x 2 resumes bit for bit in test_resume_on_other_layouts (whose checkpoint it writes); pipeline
 # parallelism in test_pipeline.py (ZBV, two model parts on a rank); CP 2 from an async checkpoint

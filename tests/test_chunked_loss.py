@@ -9,6 +9,7 @@ from test_model import build
 
 from scripts.parity_matrix import (
     AC_OP,
+    BLOCK_CAUSAL,
     CHUNKED_LOSS,
     COMPILE,
     QWEN3_MOE_BOTH,
@@ -93,12 +94,12 @@ def test_loss_parallel_and_pipeline_parallelism_are_accepted():
 # ranks, with the chunked loss: test_parity.py.
 CHUNKED_LAYOUTS = [
     Layout(
-        "Qwen3-MoE aux + bias: EP 2 + compile + AC selective op + chunked loss",
+        "Qwen3-MoE aux + bias, block_causal: EP 2 + compile + AC selective op + chunked loss",
         2,
         2,
         4,
         ep(2) + COMPILE + AC_OP + CHUNKED_LOSS,
-        QWEN3_MOE_BOTH,
+        (*QWEN3_MOE_BOTH, *BLOCK_CAUSAL),
     ),
 ]
 

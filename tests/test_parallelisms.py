@@ -155,6 +155,18 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
             ["--validation.steps", "0"],
             "validation.steps: 0 evaluates nothing; use -1 or a positive number",
         ),
+        (
+            2,
+            ["--parallelism.context_parallel_degree", "2", "--model.attn_mask_type", "block_causal"],
+            "model.attn_mask_type: block_causal does not run with parallelism.context_parallel_degree > 1 "
+            "yet; use attn_mask_type causal or context_parallel_degree 1",
+        ),
+        (
+            2,
+            [*PP2, "--model.attn_mask_type", "block_causal"],
+            "model.attn_mask_type: block_causal does not run with parallelism.pipeline_parallel_degree > 1",
+        ),
+        (1, ["--model.attn_mask_type", "document"], "model.attn_mask_type"),
     ],
 )
 def test_impossible_layout_fails_before_any_work(monkeypatch, capsys, world_size, argv, message):

@@ -14,6 +14,7 @@ import pytest
 from scripts.parity_matrix import (
     AC_FULL,
     AC_OP,
+    BLOCK_CAUSAL,
     CHUNKED_LOSS,
     FSDP_KNOBS,
     QWEN3_CP_CI,
@@ -61,21 +62,23 @@ CI_LAYOUTS = [
         pp(2) + cp(2) + MICROBATCHES_4,
         QWEN3_CP_CI,
     ),
-    # Qwen3-MoE (docs/moe.md), both balancing methods on (one reference): expert parallelism with TP 2
+    # Qwen3-MoE (docs/moe.md), both balancing methods on: expert parallelism with TP 2
     # on attention and its dense first layer (each tp rank routes its own sequence shard), activations
     # recomputed (the all-to-alls too) and the chunked loss; PP x EP: the stages pass the router
     # statistics on for the auxiliary loss, and take the bias through their first-step shape inference
     # unchanged (one micro-batch: a pipeline's auxiliary loss is each micro-batch's, so with more it
     # equals one process accumulating the same micro-batches, scripts/parity_matrix.py's PP layouts).
-    # Compile and selective op AC under EP: test_chunked_loss.py. EP 2 on FSDP 4, worst-case routing
+    # The first with packed documents attending within themselves (block_causal: FSDP, EP, TP with
+    # sequence parallelism, AC, the chunked loss; compile and selective op AC under EP with it:
+    # test_chunked_loss.py, which shares its reference). EP 2 on FSDP 4, worst-case routing
     # and one EP 2 x TP 2 step's every gradient: test_parallelisms.py; EP 2 alone: test_moe_resume.py.
     Layout(
-        "Qwen3-MoE aux + bias: EP 2 x TP 2 + AC full + chunked loss",
+        "Qwen3-MoE aux + bias, block_causal: EP 2 x TP 2 + AC full + chunked loss",
         4,
         2,
         4,
         ep(2) + tp(2) + AC_FULL + CHUNKED_LOSS,
-        QWEN3_MOE_BOTH,
+        (*QWEN3_MOE_BOTH, *BLOCK_CAUSAL),
     ),
     Layout(
         "Qwen3-MoE aux + bias: PP 2 x EP 2, GPipe, 1 micro-batch",

@@ -55,6 +55,13 @@ class ModelConfig:
         "them, e.g. 128256 to train at Llama 3's real size with the bundled tokenizer (for benchmarks)",
         min=-1,
     )
+    attn_mask_type: str = opt(
+        "causal",
+        "Attention mask: causal (every earlier token of the window), or block_causal (only the earlier "
+        "tokens of the same document: packed documents, each ending with EOS, attend within themselves, "
+        "RoPE positions restarting at each; docs/attention.md)",
+        choices=("causal", "block_causal"),
+    )
 
 
 @dataclass

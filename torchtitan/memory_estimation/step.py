@@ -100,7 +100,10 @@ def build_step(
     """The rank's model parts and optimizer, built as train.py builds them, and its step (the
     trainer's own TrainStep). With `fake_mode` the parameters are fake tensors (run the step under
     it too); `n_layers` overrides the flavour's depth."""
-    model_args = build_model_args(cfg, vocab_size)
+    # Fake tensors hold no token ids, so no documents: block_causal is estimated as causal (the same
+    # activations but one copy of each layer's attention output, docs/attention.md).
+    causal = replace(cfg, model=replace(cfg.model, attn_mask_type="causal"))
+    model_args = build_model_args(causal, vocab_size)
     if n_layers is not None:
         model_args = replace(model_args, n_layers=n_layers)
     with torch.device("meta"):

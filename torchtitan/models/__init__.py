@@ -72,10 +72,19 @@ def vocab_size(model_config: ModelConfig, tokenizer_words: int) -> int:
     return max(model_config.vocab_size, tokenizer_words)
 
 
-def build_model_args(job_config: JobConfig, tokenizer_words: int) -> ModelArgs:
-    """A copy of the job's flavour with the vocabulary and context it trains with."""
+def build_model_args(
+    job_config: JobConfig, tokenizer_words: int, eos_id: int | None = None, bos_id: int | None = None
+) -> ModelArgs:
+    """A copy of the job's flavour with the vocabulary, context and attention mask it trains with
+    (block_causal finds the documents by the tokenizer's `eos_id` and `bos_id`)."""
+    mask = job_config.model.attn_mask_type
+    if mask == "block_causal" and eos_id is None:
+        raise ConfigError("model.attn_mask_type: block_causal needs the tokenizer's EOS id; use causal")
     return replace(
         flavor_args(job_config.model),
         vocab_size=vocab_size(job_config.model, tokenizer_words),
         max_seq_len=job_config.training.seq_len,
+        attn_mask_type=mask,
+        eos_id=eos_id,
+        bos_id=bos_id,
     )

@@ -52,7 +52,11 @@ class ContextParallelAttention(nn.Module):
         super().__init__()
         self.cp_mesh = cp_mesh
 
-    def forward(self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, documents: None = None
+    ) -> torch.Tensor:
+        # block_causal with context parallelism is refused first (config_rules.check_attention_mask).
+        assert documents is None, "block_causal does not run with context parallelism yet"
         cp_degree, chunk = self.cp_mesh.size(), xq.shape[1] // 2
         keys, values = (self._gather_sequence(t, cp_degree) for t in (xk, xv))
         n_rep = xq.shape[2] // xk.shape[2]

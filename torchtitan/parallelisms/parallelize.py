@@ -31,6 +31,7 @@ from torchtitan.models import model_spec
 from torchtitan.models.llama.model import RMSNorm
 from torchtitan.models.moe import MoE
 from torchtitan.parallelisms.context_parallel import apply_cp
+from torchtitan.parallelisms.distributed import device_type
 from torchtitan.parallelisms.expert_parallel import apply_ep
 from torchtitan.parallelisms.float8 import float8_tensorwise_tp, tp_styles
 from torchtitan.parallelisms.parallel_dims import ParallelDims
@@ -77,7 +78,10 @@ def parallelize(
         fp32_policy is not None and parallel_dims.fsdp_enabled and par.fsdp_gather_dtype == "bfloat16"
     )
     if job_config.training.compile:
-        apply_compile(model, fullgraph=not norm_units and not parallel_dims.ep_enabled)
+        # block_causal's CPU attention reads the documents' bounds on the host (models/documents.py).
+        segments_on_host = job_config.model.attn_mask_type == "block_causal" and device_type() == "cpu"
+        fullgraph = not norm_units and not parallel_dims.ep_enabled and not segments_on_host
+        apply_compile(model, fullgraph=fullgraph)
 
     if parallel_dims.fsdp_enabled:
         if par.fsdp_reshard_after_forward == "default":

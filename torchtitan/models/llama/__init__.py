@@ -23,6 +23,10 @@ class ModelArgs:
     max_seq_len: int = 2048
     # Scale the init std of output projections by layer depth rather than by model depth.
     depth_init: bool = True
+    # model.attn_mask_type; block_causal finds documents by these token ids (models/documents.py).
+    attn_mask_type: str = "causal"
+    eos_id: int | None = None
+    bos_id: int | None = None
 
     @property
     def head_dim(self) -> int:

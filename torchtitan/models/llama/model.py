@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan.models.documents import Documents, block_causal_attention, document_ids, document_positions
 from torchtitan.models.init import normal_, ones_, seeded_init, trunc_normal_
 from torchtitan.models.llama import ModelArgs
 
@@ -44,14 +45,21 @@ def apply_rotary_emb(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate interleaved (even, odd) pairs of q/k features, in float32 for accuracy.
 
-    xq, xk: (bs, seqlen, n_heads, head_dim); freqs_cis: (seqlen, head_dim // 2) complex.
+    xq, xk: (bs, seqlen, n_heads, head_dim); freqs_cis: (seqlen, head_dim // 2) complex, or per token
+    (bs, seqlen, head_dim // 2) (positions within documents: block_causal).
     """
-    freqs_cis = freqs_cis.view(1, xq.shape[1], 1, xq.shape[-1] // 2)
+    freqs_cis = freqs_cis.view(-1, xq.shape[1], 1, xq.shape[-1] // 2)
     xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
     xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
     xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
     xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
     return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+def rotations(freqs_cis: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """The rotations of a sequence's tokens: the table's first `seqlen` rows, or the per-token rotations
+    (bs, seqlen, .) the model looked up for positions within documents."""
+    return freqs_cis[:seqlen] if freqs_cis.ndim == 2 else freqs_cis
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -69,15 +77,20 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 class CausalAttention(nn.Module):
     """Causal scaled dot-product attention over (bs, seqlen, heads, head_dim) queries, keys and values,
     each kv head serving n_heads / n_kv_heads consecutive query heads (GQA); returns the same layout.
+    With `documents` (block_causal) each token attends within its document only.
 
     A module of its own so that context parallelism can put in its place one that attends to the keys
     of the whole sequence (torchtitan/parallelisms/context_parallel.py)."""
 
-    def forward(self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
         n_rep = xq.shape[2] // xk.shape[2]
         keys, values = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
         # (bs, n_heads, seqlen, head_dim) layout for SDPA.
         xq, keys, values = (t.transpose(1, 2) for t in (xq, keys, values))
+        if documents is not None:
+            return block_causal_attention(xq, keys, values, documents)
         return F.scaled_dot_product_attention(xq, keys, values, is_causal=True).transpose(1, 2)
 
 
@@ -124,15 +137,17 @@ class Attention(nn.Module):
             trunc_normal_(linear.weight, std=0.02)
         trunc_normal_(self.wo.weight, std=init_std)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
         xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
         # Under sequence parallelism x may be sharded on seqlen; the projections are not.
         bs, seqlen = xq.shape[:2]
         xq = xq.view(bs, seqlen, -1, self.head_dim)
         xk = xk.view(bs, seqlen, -1, self.head_dim)
         xv = xv.view(bs, seqlen, -1, self.head_dim)
-        xq, xk = apply_rotary_emb(xq, xk, freqs_cis[:seqlen])
-        output = self.sdpa(xq, xk, xv).contiguous().view(bs, seqlen, -1)
+        xq, xk = apply_rotary_emb(xq, xk, rotations(freqs_cis, seqlen))
+        output = self.sdpa(xq, xk, xv, documents).contiguous().view(bs, seqlen, -1)
         return self.wo(output)
 
 
@@ -157,7 +172,8 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attention(norm(x)), then h + feed_forward(norm(h)).
 
-    `attention(x, freqs_cis)` and `feed_forward(x)` are the family's; each has `init_weights(init_std)`."""
+    `attention(x, freqs_cis, documents=)` and `feed_forward(x)` are the family's; each has
+    `init_weights(init_std)`."""
 
     def __init__(self, layer_id: int, model_args: ModelArgs, attention: nn.Module, feed_forward: nn.Module):
         super().__init__()
@@ -176,8 +192,10 @@ class TransformerBlock(nn.Module):
         self.attention.init_weights(self.weight_init_std)
         self.feed_forward.init_weights(self.weight_init_std)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, documents: Documents | None = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis, documents=documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -277,9 +295,14 @@ class Transformer(nn.Module):
 
         Returns float logits (bs, seqlen, vocab), or hidden states on a stage without `output` or
         with `skip_output` (the loss then projects them itself, see torchtitan/chunked_loss.py).
+        With block_causal the documents are found in `tokens` and RoPE counts from each one's start.
         """
+        documents, freqs_cis = None, self.freqs_cis
+        if self.model_args.attn_mask_type == "block_causal":
+            ids = document_ids(tokens, self.model_args.eos_id, self.model_args.bos_id)
+            documents, freqs_cis = Documents(ids), self.freqs_cis[document_positions(ids)]
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)
+            h = layer(h, freqs_cis, documents)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h).float() if self.output is not None and not skip_output else h

@@ -27,6 +27,10 @@ class Qwen3ModelArgs:
     tie_word_embeddings: bool = False
     # Scale the init std of output projections by layer depth rather than by model depth.
     depth_init: bool = True
+    # model.attn_mask_type; block_causal finds documents by these token ids (models/documents.py).
+    attn_mask_type: str = "causal"
+    eos_id: int | None = None
+    bos_id: int | None = None
 
 
 _SMALL = dict(n_kv_heads=8, head_dim=128, tie_word_embeddings=True)

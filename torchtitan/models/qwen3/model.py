@@ -16,8 +16,9 @@ def apply_rotary_emb(
     """Rotate feature i of each head with feature i + head_dim / 2 (transformers' `rotate_half`
     layout, so Hugging Face weights need no permutation), in float32.
 
-    xq, xk: (bs, seqlen, n_heads, head_dim); freqs_cis: (seqlen, head_dim // 2) complex."""
-    cos_sin = torch.view_as_real(freqs_cis).view(1, xq.shape[1], 1, xq.shape[-1] // 2, 2)
+    xq, xk: (bs, seqlen, n_heads, head_dim); freqs_cis: (seqlen, head_dim // 2) complex, or per token
+    (bs, seqlen, head_dim // 2)."""
+    cos_sin = torch.view_as_real(freqs_cis).view(-1, xq.shape[1], 1, xq.shape[-1] // 2, 2)
     cos, sin = cos_sin[..., 0], cos_sin[..., 1]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
@@ -45,14 +46,16 @@ class Attention(llama.Attention):
         ones_(self.q_norm.weight)
         ones_(self.k_norm.weight)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, documents: llama.Documents | None = None
+    ) -> torch.Tensor:
         xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
         bs, seqlen = xq.shape[:2]
         xq = self.q_norm(xq.view(bs, seqlen, -1, self.head_dim))
         xk = self.k_norm(xk.view(bs, seqlen, -1, self.head_dim))
         xv = xv.view(bs, seqlen, -1, self.head_dim)
-        xq, xk = apply_rotary_emb(xq, xk, freqs_cis[:seqlen])
-        output = self.sdpa(xq, xk, xv).contiguous().view(bs, seqlen, -1)
+        xq, xk = apply_rotary_emb(xq, xk, llama.rotations(freqs_cis, seqlen))
+        output = self.sdpa(xq, xk, xv, documents).contiguous().view(bs, seqlen, -1)
         return self.wo(output)
 
 

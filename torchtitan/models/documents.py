@@ -1,0 +1,94 @@
+"""Packed documents (`model.attn_mask_type = "block_causal"`): each token attends only to the earlier
+tokens of its own document, and RoPE counts its position from the document's start.
+
+The data path packs documents back to back into windows, each ending with its EOS; the documents are
+found again from the token ids the model is given (`document_ids`), so every data path, validation,
+evaluation and generation get the same mask without the loader carrying anything new. A window that
+starts inside a document starts a document at its first token.
+
+Attention never builds a sequence x sequence mask: on CPU each document segment attends on its own
+(CPU flash attention, causal), so a masked block costs nothing and memory stays linear in the
+sequence; on CUDA FlexAttention runs with a block mask built from the document ids (whole masked
+blocks skipped), with the CPU path as its reference."""
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+# FlexAttention is fast only compiled; compiled once, here, for every model.
+_compiled_flex_attention = torch.compile(flex_attention)
+
+
+def document_ids(tokens: torch.Tensor, eos_id: int, bos_id: int | None) -> torch.Tensor:
+    """(bs, seqlen) int64: each token's document, counted from 0 in each row. A document ends with its
+    EOS (the next token starts the next one), and a BOS starts one."""
+    starts = torch.zeros_like(tokens, dtype=torch.bool)
+    starts[:, 1:] = tokens[:, :-1] == eos_id
+    if bos_id is not None:
+        starts[:, 1:] |= tokens[:, 1:] == bos_id
+    return starts.long().cumsum(1)
+
+
+def document_positions(ids: torch.Tensor) -> torch.Tensor:
+    """(bs, seqlen) int64: each token's position in its document, from `document_ids`."""
+    index = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    first = torch.ones_like(ids, dtype=torch.bool)
+    first[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    return index - torch.where(first, index, 0).cummax(1).values
+
+
+class Documents:
+    """What block-causal attention needs of a batch: its document ids and, on CUDA, FlexAttention's
+    block mask (built once per forward, shared by every layer)."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+        self.block_mask: BlockMask | None = None
+        if ids.device.type == "cuda":
+            self.block_mask = block_causal_mask(ids)
+
+
+def block_causal_mask(ids: torch.Tensor) -> BlockMask:
+    """FlexAttention's mask: query q sees key k of the same row when both are in one document and
+    k <= q; blocks of 128 x 128 with no such pair are skipped."""
+
+    def same_document_causal(b, h, q, k):  # noqa: ANN001, ANN202
+        return (ids[b, q] == ids[b, k]) & (k <= q)
+
+    bs, seqlen = ids.shape
+    # Compiled, the mask is made block by block, never as a seqlen x seqlen tensor (CUDA; on the CPU,
+    # where only the tests make it, eagerly).
+    compiled = ids.device.type == "cuda"
+    return create_block_mask(
+        same_document_causal, bs, None, seqlen, seqlen, device=ids.device, _compile=compiled
+    )
+
+
+def block_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: Documents
+) -> torch.Tensor:
+    """Attention of (bs, heads, seqlen, head_dim) queries, keys and values (kv heads already repeated)
+    within each document, causal; returns (bs, seqlen, heads, head_dim)."""
+    if documents.block_mask is not None:
+        return _compiled_flex_attention(q, k, v, block_mask=documents.block_mask).transpose(1, 2)
+    return _segment_attention(q, k, v, documents.ids)
+
+
+@torch.compiler.disable
+def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The CPU path: SDPA (causal) on each document segment of each row. The segments' bounds are read
+    on the host, so dynamo leaves this out of a compiled block."""
+    rows = []
+    for b, row_ids in enumerate(ids):
+        bounds = [0, *(torch.nonzero(row_ids[1:] != row_ids[:-1]).flatten() + 1).tolist(), ids.shape[1]]
+        segments = [
+            F.scaled_dot_product_attention(
+                q[b : b + 1, :, start:end],
+                k[b : b + 1, :, start:end],
+                v[b : b + 1, :, start:end],
+                is_causal=True,
+            )
+            for start, end in zip(bounds[:-1], bounds[1:])
+        ]
+        rows.append(torch.cat(segments, dim=2))
+    return torch.cat(rows).transpose(1, 2)
