@@ -11,12 +11,20 @@ Attention never builds a sequence x sequence mask: on CPU each document segment 
 sequence; on CUDA FlexAttention runs with a block mask built from the document ids (whole masked
 blocks skipped), with the CPU path as its reference."""
 
+import functools
+from typing import Any
+
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-# FlexAttention is fast only compiled; compiled once, here, for every model.
-_compiled_flex_attention = torch.compile(flex_attention)
+
+@functools.cache
+def _compiled_flex_attention() -> Any:
+    """FlexAttention, fast only compiled: compiled once for every model, on first use (importing it
+    and torch.compile's machinery takes seconds, which a causal or CPU run need not pay)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
 
 
 def document_ids(tokens: torch.Tensor, eos_id: int, bos_id: int | None) -> torch.Tensor:
@@ -43,14 +51,15 @@ class Documents:
 
     def __init__(self, ids: torch.Tensor) -> None:
         self.ids = ids
-        self.block_mask: BlockMask | None = None
+        self.block_mask = None  # torch.nn.attention.flex_attention.BlockMask on CUDA
         if ids.device.type == "cuda":
             self.block_mask = block_causal_mask(ids)
 
 
-def block_causal_mask(ids: torch.Tensor) -> BlockMask:
-    """FlexAttention's mask: query q sees key k of the same row when both are in one document and
-    k <= q; blocks of 128 x 128 with no such pair are skipped."""
+def block_causal_mask(ids: torch.Tensor) -> Any:
+    """FlexAttention's mask (a BlockMask): query q sees key k of the same row when both are in one
+    document and k <= q; blocks of 128 x 128 with no such pair are skipped."""
+    from torch.nn.attention.flex_attention import create_block_mask
 
     def same_document_causal(b, h, q, k):  # noqa: ANN001, ANN202
         return (ids[b, q] == ids[b, k]) & (k <= q)
@@ -70,7 +79,7 @@ def block_causal_attention(
     """Attention of (bs, heads, seqlen, head_dim) queries, keys and values (kv heads already repeated)
     within each document, causal; returns (bs, seqlen, heads, head_dim)."""
     if documents.block_mask is not None:
-        return _compiled_flex_attention(q, k, v, block_mask=documents.block_mask).transpose(1, 2)
+        return _compiled_flex_attention()(q, k, v, block_mask=documents.block_mask).transpose(1, 2)
     return _segment_attention(q, k, v, documents.ids)
 
 
