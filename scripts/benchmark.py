@@ -20,6 +20,7 @@
 | MoE all-to-all share | time in the all-to-all token exchange / step time, at EP 2 on 2 ranks | (reported) |
 | context-parallel memory | a rank's peak memory on a 4096-token sequence, CP 2 (2 ranks) / CP 1 | <= 0.6 |
 | context-parallel step time | a rank's step CPU time on that sequence at CP 2 / CP 1 | (reported) |
+| CP attention work | block_causal: the busiest rank's attention work / the idlest's, CP 4, 8, 128K | <= 1.3 |
 
 Each part runs in a fresh process (train.py's main() disables GC, compiles, may start process
 groups), on the debug model, one process per rank, `--threads` intra-op threads each. train.py's
@@ -157,6 +158,7 @@ def run_all(threads: int, tmp: str, only: str | None = None) -> dict:
     benchmark_memory.chunked_loss_rows(part, add)
     benchmark_moe.moe_rows(part, add)
     benchmark_context_parallel.context_parallel_rows(part, add)
+    benchmark_context_parallel.cp_balance_rows(part, add)
     benchmark_attention.attention_mask_rows(part, add)
     return {"setup": setup, "figures": figures}
 
@@ -164,6 +166,7 @@ def run_all(threads: int, tmp: str, only: str | None = None) -> dict:
 # The groups of rows `--only` measures alone.
 ROWS = {
     "context_parallel": benchmark_context_parallel.context_parallel_rows,
+    "cp_balance": benchmark_context_parallel.cp_balance_rows,
     "moe": benchmark_moe.moe_rows,
     "attention_mask": benchmark_attention.attention_mask_rows,
 }

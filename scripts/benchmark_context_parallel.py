@@ -1,6 +1,7 @@
 """scripts/benchmark.py's context-parallel rows: a rank's peak memory and step time on one long sequence
 at CP 2 (2 gloo ranks) against CP 1, on the CPU whatever the device (`--only context_parallel`)."""
 
+import math
 import os
 from collections.abc import Callable
 
@@ -99,3 +100,58 @@ def context_parallel_rows(run_part: Callable[..., dict], add: Callable[..., None
         f"{CP_STEADY_FROM + CP_WINDOWS}, one thread per process)",
         {"cp_1": one, "cp_2": two},
     )
+
+
+# Packed documents' lengths for the balance rows: log-normal (a few long documents do most of the
+# attention work, which grows with the square of a document's length), web text's (median 700 tokens)
+# and a long-context mixture's (median 8K), in 128K-token windows as train_configs/llama3_8b_128k.toml.
+BALANCE_SEQ_LEN = 131072
+BALANCE_LENGTHS = {"web text, median 700 tokens": 700, "long documents, median 8K tokens": 8000}
+BALANCE_WINDOWS = 200
+
+
+def attention_work(document_ids: torch.Tensor, positions: torch.Tensor) -> int:
+    """block_causal attention work of the queries at `positions`: the keys each sees, summed."""
+    from torchtitan.models.documents import document_positions
+
+    return int((document_positions(document_ids) + 1)[:, positions].sum())
+
+
+def packed_document_ids(seq_len: int, median: float, generator: torch.Generator) -> torch.Tensor:
+    """(1, seq_len) document ids of a window of documents of log-normal lengths (sigma 1.2)."""
+    lengths = torch.empty(0, dtype=torch.long)
+    while lengths.sum() < seq_len:
+        more = torch.empty(64).log_normal_(math.log(median), 1.2, generator=generator).long().clamp(min=1)
+        lengths = torch.cat([lengths, more])
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    return ids[None, :seq_len]
+
+
+def cp_balance_rows(run_part: Callable[..., dict], add: Callable[..., None]) -> None:
+    """block_causal under context parallelism: the attention work of the busiest rank over the idlest,
+    with head-tail chunks (as causal has them) and with the pieces dealt out by their work
+    (context_parallel.sequence_layouts), over windows of packed documents; computed, nothing run."""
+    from torchtitan.parallelisms.context_parallel import layout_positions, sequence_layouts
+
+    for cp in (4, 8):
+        for name, median in BALANCE_LENGTHS.items():
+            generator = torch.Generator().manual_seed(0)
+            ratios: dict[str, list[float]] = {"head-tail": [], "dealt": []}
+            for _ in range(BALANCE_WINDOWS):
+                ids = packed_document_ids(BALANCE_SEQ_LEN, median, generator)
+                for kind, document_ids in (("head-tail", None), ("dealt", ids)):
+                    layout = sequence_layouts(BALANCE_SEQ_LEN, cp, document_ids)[0]
+                    work = [attention_work(ids, layout_positions(layout, r)) for r in range(cp)]
+                    ratios[kind].append(max(work) / min(work))
+            mean = {kind: sum(r) / len(r) for kind, r in ratios.items()}
+            p95 = {kind: float(torch.tensor(r).quantile(0.95)) for kind, r in ratios.items()}
+            add(
+                f"CP {cp} attention work, busiest / idlest rank, {name}",
+                mean["dealt"],
+                "<= 1.3",
+                mean["dealt"] <= 1.3,
+                f"mean over {BALANCE_WINDOWS} windows of {BALANCE_SEQ_LEN} tokens (95th percentile): dealt "
+                f"pieces {mean['dealt']:.3f} ({p95['dealt']:.3f}), head-tail chunks {mean['head-tail']:.3f} "
+                f"({p95['head-tail']:.3f}); log-normal lengths, sigma 1.2",
+                {"mean": mean, "p95": p95},
+            )

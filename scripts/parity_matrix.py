@@ -156,6 +156,10 @@ BLOCK_CAUSAL = (
     "--training.dataset_path",
     "tests/assets/verses.jsonl",
 )
+LLAMA_BLOCK = (*LONG, *BLOCK_CAUSAL)
+QWEN3_BLOCK = (*QWEN3_LONG, *BLOCK_CAUSAL)
+QWEN3_CP_CI_BLOCK = (*QWEN3_CP_CI, *BLOCK_CAUSAL)
+QWEN3_MOE_BLOCK = (*QWEN3_MOE, *BLOCK_CAUSAL)
 
 MATRIX = [
     Layout("FSDP 2", 2, 2, 4),
@@ -279,6 +283,18 @@ MATRIX = [
         pp(2) + cp(2) + ("--parallelism.pipeline_parallel_microbatches", "4"),
         QWEN3_LONG,
     ),
+    # Packed documents attending within themselves (block_causal), ~35-token documents in 512 tokens.
+    Layout("Llama, 512 tokens, block_causal: FSDP 2", 2, 2, 4, model=LLAMA_BLOCK),
+    Layout("Llama, 512 tokens, block_causal: TP 2", 2, 4, 4, tp(2), LLAMA_BLOCK),
+    Layout("Llama, 512 tokens, block_causal: CP 2", 2, 4, 4, cp(2), LLAMA_BLOCK),
+    Layout("Llama, 512 tokens, block_causal: CP 4", 4, 4, 4, cp(4), LLAMA_BLOCK),
+    Layout("Llama, 512 tokens, block_causal: CP 2 x TP 2", 4, 4, 4, cp(2) + tp(2), LLAMA_BLOCK),
+    Layout("Llama, 512 tokens, block_causal: PP 2, 1F1B", 2, 4, 4, pp(2), LLAMA_BLOCK),
+    Layout("Llama, 512 tokens, block_causal: compile + AC op", 1, 4, 4, COMPILE + AC_OP, LLAMA_BLOCK),
+    Layout("Qwen3 untied, 512 tokens, block_causal: CP 2 x FSDP 2", 4, 2, 4, cp(2), QWEN3_BLOCK),
+    Layout("Qwen3 untied, 512 tokens, block_causal: PP 2 x CP 2, 1F1B", 4, 4, 4, pp(2) + cp(2), QWEN3_BLOCK),
+    Layout("Qwen3-MoE, block_causal: EP 2", 2, 2, 4, ep(2), QWEN3_MOE_BLOCK),
+    Layout("Qwen3-MoE, block_causal: PP 2, 1F1B", 2, 4, 4, pp(2), QWEN3_MOE_BLOCK, reference_microbatch=2),
 ]
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan.models import MODEL_SPECS
-from torchtitan.models.documents import block_causal_mask, document_ids, document_positions
+from torchtitan.models.documents import block_causal_mask, document_positions, find_documents
 from torchtitan.models.llama import ModelArgs
 from torchtitan.models.qwen3 import Qwen3ModelArgs
 from torchtitan.models.qwen3_moe import Qwen3MoeModelArgs
@@ -19,12 +19,12 @@ BOS, EOS = 1, 2
 
 def test_documents_end_with_eos_and_start_at_bos():
     tokens = torch.tensor([[7, 8, EOS, 9, EOS, BOS, 5, 6], [BOS, 5, 6, 7, 8, 9, 5, 6]])
-    assert document_ids(tokens, EOS, BOS).tolist() == [[0, 0, 0, 1, 1, 2, 2, 2], [0, 0, 0, 0, 0, 0, 0, 0]]
-    assert document_ids(tokens, EOS, None).tolist() == [[0, 0, 0, 1, 1, 2, 2, 2], [0] * 8]
+    assert find_documents(tokens, EOS, BOS).tolist() == [[0, 0, 0, 1, 1, 2, 2, 2], [0, 0, 0, 0, 0, 0, 0, 0]]
+    assert find_documents(tokens, EOS, None).tolist() == [[0, 0, 0, 1, 1, 2, 2, 2], [0] * 8]
     # A BOS that follows no EOS starts a document too; an EOS at the end starts nothing.
     tokens = torch.tensor([[5, BOS, 6, EOS]])
-    assert document_ids(tokens, EOS, BOS).tolist() == [[0, 1, 1, 1]]
-    assert document_positions(document_ids(tokens, EOS, BOS)).tolist() == [[0, 0, 1, 2]]
+    assert find_documents(tokens, EOS, BOS).tolist() == [[0, 1, 1, 1]]
+    assert document_positions(find_documents(tokens, EOS, BOS)).tolist() == [[0, 0, 1, 2]]
     ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])
     assert document_positions(ids).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
 
@@ -93,7 +93,7 @@ def test_packed_documents_equal_each_document_run_alone(name):
     inputs, labels = window[:, :-1], window[:, 1:]
     logits = packed(inputs)
     # A document's predictions: each of its tokens but its last, whose next token starts another.
-    ids = document_ids(window, EOS, BOS)
+    ids = find_documents(window, EOS, BOS)
     own = ids[:, :-1] == ids[:, 1:]
     loss = F.cross_entropy(logits[own], labels[own], reduction="sum")
     loss.backward()
@@ -132,9 +132,37 @@ def test_flex_attention_mask_is_the_cpu_path():
     from torchtitan.models.documents import _segment_attention
 
     window, _ = _windows()
-    ids = document_ids(window, EOS, BOS)
+    ids = find_documents(window, EOS, BOS)
     generator = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(2, 4, window.shape[1], 16, generator=generator) for _ in range(3))
     expected = _segment_attention(q, k, v, ids)
     flex = torch.compile(flex_attention)(q, k, v, block_mask=block_causal_mask(ids)).transpose(1, 2)
     torch.testing.assert_close(flex, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3", "qwen3_moe"])
+def test_packed_documents_equal_transformers_on_each_document(name, tmp_path):
+    """Our packed block_causal logits, exported as a Hugging Face folder: transformers' model run on
+    each document of the windows alone gives that document's logits within 1e-5."""
+    transformers = pytest.importorskip("transformers")
+    import torch.distributed.checkpoint as dcp
+
+    from scripts import convert_dcp_to_hf
+
+    model = _model(name)
+    with torch.no_grad():  # random norms (and q/k norms, router) too, so that no two are alike
+        for p in model.parameters():
+            p.normal_(0.0, 0.1 if p.ndim > 1 else 1.0)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    convert_dcp_to_hf.convert(str(tmp_path / "dcp"), str(tmp_path / "hf"), model.model_args, name=name)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+
+    window, rows = _windows()
+    with torch.no_grad():
+        logits = model(window)
+        for r, docs in enumerate(rows):
+            start = 0
+            for doc in docs:
+                theirs = hf_model(torch.tensor([doc])).logits[0]
+                torch.testing.assert_close(logits[r, start : start + len(doc)], theirs, rtol=0, atol=1e-5)
+                start += len(doc)

@@ -76,9 +76,9 @@ def test_autocast_projects_in_its_dtype():
     _, step = step_of(7)
     step.autocast = torch.autocast("cpu", dtype=torch.bfloat16)
     inputs, labels = next(batches(1))
-    chunked = step._model_loss(inputs, labels)
+    chunked = step._model_loss(inputs, labels, {})
     step.loss_chunk_tokens = 0
-    torch.testing.assert_close(chunked, step._model_loss(inputs, labels), atol=1e-5, rtol=0)
+    torch.testing.assert_close(chunked, step._model_loss(inputs, labels, {}), atol=1e-5, rtol=0)
 
 
 def test_loss_parallel_and_pipeline_parallelism_are_accepted():

@@ -1,7 +1,8 @@
 """Context parallelism (parallelisms/context_parallel.py): how a sequence is split, each chunk's
-attention (CPU's and CUDA's forms), and CP 2 end to end: the losses, gradient norms and validation losses
-of one process over 10 steps at 256 tokens, a SIGKILL of both ranks relaunched bit for bit, and its
-checkpoint resumed by one process within 1e-5. The other layouts (CP 4, CP x FSDP, CP x TP, PP x CP):
+attention (CPU's and CUDA's forms, causal and within documents), and CP 2 end to end on packed
+documents (block_causal): the losses, gradient norms and validation losses of one process over 10 steps
+at 256 tokens, a SIGKILL of both ranks relaunched bit for bit, and its checkpoint resumed by one
+process within 1e-5. The other layouts (CP 4, CP x FSDP, CP x TP, PP x CP):
 test_parity.py; a checkpoint of FSDP resumed by CP 2: test_qwen3_resume.py; every layout:
 scripts/parity_matrix.py."""
 
@@ -13,11 +14,15 @@ from launch import TINY_JOB, losses, run_train
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from scripts import chaos
-from scripts.parity_matrix import QWEN3_CP_CI, Layout, cp, run_layout
+from scripts.parity_matrix import QWEN3_CP_CI_BLOCK, Layout, cp, run_layout
+from torchtitan.models.documents import document_positions
 from torchtitan.parallelisms.context_parallel import (
     chunked_causal_attention,
+    chunked_document_attention,
     load_balanced_positions,
     lower_right_bias,
+    rows_positions,
+    sequence_layouts,
 )
 
 
@@ -64,6 +69,79 @@ def test_chunks_attend_to_every_earlier_key(chunk, ends):
         torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
 
 
+def _packed_ids(seq_len: int, lengths: list[int]) -> torch.Tensor:
+    """Document ids of one row of documents of `lengths` (the last runs to the end of the sequence)."""
+    ids = [torch.full((n,), i) for i, n in enumerate(lengths)]
+    ids.append(torch.full((seq_len - sum(lengths),), len(lengths)))
+    return torch.cat(ids)[None]
+
+
+# Documents shorter than a chunk, ending on a chunk's edge, spanning chunks and ranks, or the whole row.
+DOCUMENT_ROWS = [[3, 5, 1, 7, 20, 2], [8, 8, 30], [], [47, 1]]
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("cp_degree", [2, 4])
+def test_chunks_attend_within_their_documents(cp_degree):
+    """block_causal under context parallelism: each rank's pieces (dealt out by their work), attending
+    to the keys of the whole sequence on CPU (per document segment, merged by log-sum-exp), give the rows
+    of the one-sequence CPU path (each document's own causal attention), in value and gradient;
+    FlexAttention's block mask for the rank's query positions (CUDA's path) gives them too, forward (no
+    CPU backward)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from torchtitan.models.documents import Documents, _segment_attention, block_causal_mask
+
+    seq_len = 48
+    ids = torch.cat([_packed_ids(seq_len, lengths) for lengths in DOCUMENT_ROWS])
+    bs, generator = len(DOCUMENT_ROWS), torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(bs, 2, seq_len, 8, generator=generator, requires_grad=True) for _ in range(3))
+    weights = torch.randn(bs, seq_len, 2, 8, generator=generator)
+    whole = _segment_attention(q, k, v, ids)
+    (whole * weights).sum().backward()
+    expected_grads = [t.grad for t in (q, k, v)]
+
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    for rank in range(cp_degree):
+        layouts = sequence_layouts(seq_len, cp_degree, ids)
+        positions = rows_positions(layouts, rank)  # each row's own
+        rows_ends = [[(p + 1) * piece for p in held[rank]] for piece, held in layouts]
+        rows = torch.arange(bs)[:, None]
+        rank_q = q.detach().transpose(1, 2)[rows, positions].transpose(1, 2).requires_grad_()
+        rank_k, rank_v = (t.detach().requires_grad_() for t in (k, v))
+        out = chunked_document_attention(rank_q, rank_k, rank_v, rows_ends, Documents(ids))
+        torch.testing.assert_close(out, whole.detach()[rows, positions], atol=2e-6, rtol=0)
+        (out * weights[rows, positions]).sum().backward()
+        grads[0].transpose(1, 2)[rows, positions] += rank_q.grad.transpose(1, 2)
+        grads[1] += rank_k.grad
+        grads[2] += rank_v.grad
+
+        mask = block_causal_mask(ids, positions)
+        flex = flex_attention(rank_q.detach(), k.detach(), v.detach(), block_mask=mask).transpose(1, 2)
+        torch.testing.assert_close(flex, out.detach(), atol=1e-5, rtol=0)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("cp_degree", [2, 4, 8])
+def test_documents_are_dealt_out_by_their_attention_work(cp_degree):
+    """block_causal: a long document then short ones, where head-tail chunks leave the ranks holding the
+    long document's end with most of the work; dealt out in pieces (each row its own), every rank holds
+    the same number of tokens, every position once, and the same work within 1.1x."""
+    seq_len = 1024
+    ids = torch.cat([_packed_ids(seq_len, [700, *[6] * 50]), _packed_ids(seq_len, [30] * 30)])
+    work = document_positions(ids) + 1
+    layouts = sequence_layouts(seq_len, cp_degree, ids)
+    held = [rows_positions(layouts, rank) for rank in range(cp_degree)]  # (rows, rank's tokens)
+    for row in range(len(ids)):
+        assert sorted(torch.cat([positions[row] for positions in held]).tolist()) == list(range(seq_len))
+    rows = torch.arange(len(ids))[:, None]
+    dealt = [int(work[rows, positions].sum()) for positions in held]
+    causal = [load_balanced_positions(seq_len, cp_degree, rank) for rank in range(cp_degree)]
+    head_tail = [int(work[:, positions].sum()) for positions in causal]
+    assert max(head_tail) / min(head_tail) > 2 and max(dealt) / min(dealt) < 1.1, (head_tail, dealt)
+
+
 def test_chunks_attend_in_autocasts_dtype():
     """Mixed precision: fp32 queries and keys (Qwen3's q/k norms keep fp32) with bf16 values attend in
     bf16, as SDPA does under autocast."""
@@ -86,7 +164,8 @@ def test_the_cuda_bias_is_that_mask_and_is_made_under_selective_checkpointing():
 
 
 CHECKPOINTS = ("--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "2")
-CP2 = Layout("Qwen3 untied, 256 tokens: CP 2", 2, 4, 4, cp(2) + CHECKPOINTS, QWEN3_CP_CI)
+# On packed documents attending within themselves (block_causal), as CP 4 and CP 2 x TP 2 in test_parity.py.
+CP2 = Layout("Qwen3 untied, 256 tokens, block_causal: CP 2", 2, 4, 4, cp(2) + CHECKPOINTS, QWEN3_CP_CI_BLOCK)
 
 
 def test_cp2_matches_one_process_and_resumes_exactly(tmp_path, reference_run):
@@ -110,7 +189,7 @@ def test_cp2_matches_one_process_and_resumes_exactly(tmp_path, reference_run):
 
     # CP 2's step 6 resumed by one process (the whole sequences, batch 4).
     shutil.copytree(straight / "checkpoint" / "step-6", one / "checkpoint" / "step-6")
-    single = Layout("one process", 1, 4, 4, CHECKPOINTS, QWEN3_CP_CI)
+    single = Layout("one process", 1, 4, 4, CHECKPOINTS, QWEN3_CP_CI_BLOCK)
     result = run_train(1, one, *single.argv(10))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Resumed from step 6" in result.stdout

@@ -155,17 +155,6 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
             ["--validation.steps", "0"],
             "validation.steps: 0 evaluates nothing; use -1 or a positive number",
         ),
-        (
-            2,
-            ["--parallelism.context_parallel_degree", "2", "--model.attn_mask_type", "block_causal"],
-            "model.attn_mask_type: block_causal does not run with parallelism.context_parallel_degree > 1 "
-            "yet; use attn_mask_type causal or context_parallel_degree 1",
-        ),
-        (
-            2,
-            [*PP2, "--model.attn_mask_type", "block_causal"],
-            "model.attn_mask_type: block_causal does not run with parallelism.pipeline_parallel_degree > 1",
-        ),
         (1, ["--model.attn_mask_type", "document"], "model.attn_mask_type"),
     ],
 )

@@ -18,6 +18,7 @@ from scripts.parity_matrix import (
     CHUNKED_LOSS,
     FSDP_KNOBS,
     QWEN3_CP_CI,
+    QWEN3_CP_CI_BLOCK,
     QWEN3_MOE_BOTH,
     Layout,
     cp,
@@ -35,9 +36,11 @@ CI_LAYOUTS = [
     # on each rank's chunks): CP alone; under FSDP, with its knobs and gradient accumulation; with TP
     # (Qwen3's block plan extends Llama's: loss parallel, selective AC, the chunked loss and gradient
     # accumulation, FSDP over the cp ranks); inside pipeline stages (their code is any family's: 1F1B on
-    # 4 micro-batches). CP 2, its bitwise and cross-layout resume: test_context_parallel.py. Tied
-    # embeddings: test_parallelisms.py on FSDP x TP, test_qwen3_resume.py.
-    Layout("Qwen3 untied, 256 tokens: CP 4", 4, 4, 4, cp(4), QWEN3_CP_CI),
+    # 4 micro-batches). All but CP x FSDP on packed documents attending within themselves (block_causal:
+    # documents shorter than a chunk, across chunks and ranks, and through the pipeline's stages). CP 2,
+    # its bitwise and cross-layout resume: test_context_parallel.py. Tied embeddings:
+    # test_parallelisms.py on FSDP x TP, test_qwen3_resume.py.
+    Layout("Qwen3 untied, 256 tokens, block_causal: CP 4", 4, 4, 4, cp(4), QWEN3_CP_CI_BLOCK),
     Layout(
         "Qwen3 untied, 256 tokens: CP 2 x FSDP 2 + GA 2, reshard always, prefetch 2",
         4,
@@ -47,20 +50,21 @@ CI_LAYOUTS = [
         QWEN3_CP_CI,
     ),
     Layout(
-        "Qwen3 untied, 256 tokens: CP 2 x TP 2 + GA 2 + AC selective op + chunked loss, reshard always",
+        "Qwen3 untied, 256 tokens, block_causal: CP 2 x TP 2 + GA 2 + AC selective op + chunked loss, "
+        "reshard always",
         4,
         2,
         4,
         cp(2) + tp(2) + AC_OP + FSDP_KNOBS + CHUNKED_LOSS,
-        QWEN3_CP_CI,
+        QWEN3_CP_CI_BLOCK,
     ),
     Layout(
-        "Qwen3 untied, 256 tokens: PP 2 x CP 2, 1F1B, 4 micro-batches",
+        "Qwen3 untied, 256 tokens, block_causal: PP 2 x CP 2, 1F1B, 4 micro-batches",
         4,
         4,
         4,
         pp(2) + cp(2) + MICROBATCHES_4,
-        QWEN3_CP_CI,
+        QWEN3_CP_CI_BLOCK,
     ),
     # Qwen3-MoE (docs/moe.md), both balancing methods on: expert parallelism with TP 2
     # on attention and its dense first layer (each tp rank routes its own sequence shard), activations

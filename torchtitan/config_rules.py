@@ -96,22 +96,6 @@ def check_context_parallel(job_config: JobConfig, parallel_dims: ParallelDims) -
         )
 
 
-def check_attention_mask(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-    """What block_causal does not run with yet: context parallelism (its chunks need the documents of
-    the whole sequence) and pipelines (later stages are given no token ids)."""
-    if job_config.model.attn_mask_type != "block_causal":
-        return
-    for option, enabled in (
-        ("context_parallel_degree", parallel_dims.cp_enabled),
-        ("pipeline_parallel_degree", parallel_dims.pp_enabled),
-    ):
-        if enabled:
-            raise ConfigError(
-                f"model.attn_mask_type: block_causal does not run with parallelism.{option} > 1 yet; "
-                f"use attn_mask_type causal or {option} 1"
-            )
-
-
 def check_tied_pipeline(job_config: JobConfig, model_args: ModelArgs) -> None:
     """A tied embedding table would be both the first stage's and the last's: two copies whose
     gradients nothing sums, so it is refused rather than trained wrong."""
@@ -336,7 +320,6 @@ def check_layout(
     check_parallelism(job_config, parallel_dims, model_args)
     check_moe(job_config, parallel_dims, model_args)
     check_context_parallel(job_config, parallel_dims)
-    check_attention_mask(job_config, parallel_dims)
     if parallel_dims.pp_enabled:
         check_tied_pipeline(job_config, model_args)
         check_pipeline(job_config, model_args.n_layers)

@@ -17,7 +17,8 @@ from torchtitan.chunked_loss import chunked_cross_entropy
 from torchtitan.config.options import JobConfig, TrainingConfig
 from torchtitan.config_rules import gradient_accumulation_steps
 from torchtitan.load_balance import LoadBalance
-from torchtitan.parallelisms.context_parallel import shard_sequence
+from torchtitan.models.documents import find_documents
+from torchtitan.parallelisms.context_parallel import sequence_layouts, shard_sequence
 from torchtitan.parallelisms.float8 import convert_to_float8
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.parallelize import DTYPES, loss_skips_output, parallelize, set_grad_all_reduce
@@ -91,6 +92,14 @@ class TrainStep:
         cp_mesh: DeviceMesh | None = None,
     ) -> None:
         self.model_parts = model_parts
+        # block_causal: the documents of the whole sequences, found before context parallelism shares
+        # their tokens out, and given to every pipeline stage (a later one is given hidden states).
+        model_args = model_parts[0].model_args
+        self.find_documents = None
+        if model_args.attn_mask_type == "block_causal":
+            self.find_documents = functools.partial(
+                find_documents, eos_id=model_args.eos_id, bos_id=model_args.bos_id
+            )
         # Context parallelism: each rank runs its share of every sequence's tokens (context_parallel.py).
         self.cp_mesh = cp_mesh
         # A mixture-of-experts model's auxiliary loss joins each micro-batch's training loss.
@@ -125,28 +134,41 @@ class TrainStep:
         microbatches = microbatches or self.grad_accum_steps
         losses = []
         for microbatch in range(microbatches):
-            inputs, labels = self._on_device(next(batches))
+            inputs, labels, model_kwargs = self._on_device(next(batches))
             for part in self.model_parts:
                 set_grad_all_reduce(part, microbatch == microbatches - 1)
             with self.loss_context():
                 if self.pipeline is None:
-                    loss = self._model_forward_backward(inputs, labels, microbatches)
+                    loss = self._model_forward_backward(inputs, labels, model_kwargs, microbatches)
                 else:
-                    loss = self._pipeline_loss(self.pipeline.schedule.step, inputs, labels)
+                    loss = self._pipeline_loss(self.pipeline.schedule.step, inputs, labels, model_kwargs)
             losses.append(loss.detach())
         return torch.stack(losses).mean()
 
-    def _on_device(self, batch: Batch) -> Batch:
-        """The batch on the device; under context parallelism, this rank's tokens of it."""
-        inputs, labels = (t.to(self.device, non_blocking=True) for t in batch)
+    def _on_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """The batch on the device and the model's keyword arguments for it (block_causal's documents,
+        found on the host); under context parallelism, this rank's tokens of it."""
+        inputs, labels = batch
+        model_kwargs, ids = {}, None
+        if self.find_documents:
+            ids = self.find_documents(inputs)
+            model_kwargs["document_ids"] = self._copy_to_device(ids)
         if self.cp_mesh is not None:
-            inputs, labels = shard_sequence(inputs, self.cp_mesh), shard_sequence(labels, self.cp_mesh)
-        return inputs, labels
+            layouts = sequence_layouts(inputs.shape[1], self.cp_mesh.size(), ids)
+            inputs, labels = (shard_sequence(t, self.cp_mesh, layouts) for t in (inputs, labels))
+        return self._copy_to_device(inputs), self._copy_to_device(labels), model_kwargs
+
+    def _copy_to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device without waiting for it: from pinned memory (the loader's, or
+        pinned here), as a copy from pageable memory would wait for the GPU's queue."""
+        if self.device.type == "cuda" and tensor.device.type == "cpu" and not tensor.is_pinned():
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, non_blocking=True)
 
     def _model_forward_backward(
-        self, inputs: torch.Tensor, labels: torch.Tensor, microbatches: int
+        self, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict, microbatches: int
     ) -> torch.Tensor:
-        loss = self._model_loss(inputs, labels)
+        loss = self._model_loss(inputs, labels, model_kwargs)
         objective = loss
         if self.aux_loss_coef:
             # Under loss parallel the loss is a replicated DTensor; the auxiliary loss is this rank's.
@@ -155,17 +177,17 @@ class TrainStep:
         (objective / microbatches).backward()
         return loss
 
-    def _model_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _model_loss(self, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
         model = self.model_parts[0]
         with self.autocast:
             if self.loss_chunk_tokens:
-                hidden = model(inputs, skip_output=True)
+                hidden = model(inputs, skip_output=True, **model_kwargs)
                 return self.chunked_loss(hidden, model.output.weight, labels, self.loss_chunk_tokens)
-            logits = model(inputs)
+            logits = model(inputs, **model_kwargs)
         return self.loss_fn(logits, labels)
 
     def _pipeline_loss(
-        self, run: Callable[..., Any], inputs: torch.Tensor, labels: torch.Tensor
+        self, run: Callable[..., Any], inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict
     ) -> torch.Tensor:
         """The schedule's `run` (`step`, or `eval` for forward only) on one batch; its mean loss."""
         pipeline, losses = self.pipeline, []
@@ -173,7 +195,14 @@ class TrainStep:
         first_stage_inputs = (inputs,) if pipeline.has_first_stage else ()
         # The logits are not returned: the last stage would keep every micro-batch's and concatenate.
         with self.autocast:
-            run(*first_stage_inputs, target=targets, losses=losses, return_outputs=False, **self.stage_kwargs)
+            run(
+                *first_stage_inputs,
+                target=targets,
+                losses=losses,
+                return_outputs=False,
+                **self.stage_kwargs,
+                **model_kwargs,
+            )
         # No losses on ranks without the last stage, nor where the memory estimator cuts the schedule short.
         return torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
 
@@ -193,7 +222,7 @@ class TrainStep:
             part.train(mode)
         return torch.stack(losses).sum(), len(losses)
 
-    def _forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
         if self.pipeline is None:
-            return self._model_loss(inputs, labels)
-        return self._pipeline_loss(self.pipeline.schedule.eval, inputs, labels)
+            return self._model_loss(inputs, labels, model_kwargs)
+        return self._pipeline_loss(self.pipeline.schedule.eval, inputs, labels, model_kwargs)

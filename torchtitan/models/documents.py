@@ -2,7 +2,7 @@
 tokens of its own document, and RoPE counts its position from the document's start.
 
 The data path packs documents back to back into windows, each ending with its EOS; the documents are
-found again from the token ids the model is given (`document_ids`), so every data path, validation,
+found again from the token ids the model is given (`find_documents`), so every data path, validation,
 evaluation and generation get the same mask without the loader carrying anything new. A window that
 starts inside a document starts a document at its first token.
 
@@ -27,7 +27,7 @@ def _compiled_flex_attention() -> Any:
     return torch.compile(flex_attention)
 
 
-def document_ids(tokens: torch.Tensor, eos_id: int, bos_id: int | None) -> torch.Tensor:
+def find_documents(tokens: torch.Tensor, eos_id: int, bos_id: int | None) -> torch.Tensor:
     """(bs, seqlen) int64: each token's document, counted from 0 in each row. A document ends with its
     EOS (the next token starts the next one), and a BOS starts one."""
     starts = torch.zeros_like(tokens, dtype=torch.bool)
@@ -38,7 +38,7 @@ def document_ids(tokens: torch.Tensor, eos_id: int, bos_id: int | None) -> torch
 
 
 def document_positions(ids: torch.Tensor) -> torch.Tensor:
-    """(bs, seqlen) int64: each token's position in its document, from `document_ids`."""
+    """(bs, seqlen) int64: each token's position in its document, from `find_documents`."""
     index = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
     first = torch.ones_like(ids, dtype=torch.bool)
     first[:, 1:] = ids[:, 1:] != ids[:, :-1]
@@ -46,31 +46,52 @@ def document_positions(ids: torch.Tensor) -> torch.Tensor:
 
 
 class Documents:
-    """What block-causal attention needs of a batch: its document ids and, on CUDA, FlexAttention's
-    block mask (built once per forward, shared by every layer)."""
+    """What block-causal attention needs of a batch: the document ids of its whole sequences, and what is
+    derived from them once per forward for every layer (FlexAttention's block masks on CUDA, context
+    parallelism's layout) in `cache`."""
 
     def __init__(self, ids: torch.Tensor) -> None:
         self.ids = ids
-        self.block_mask = None  # torch.nn.attention.flex_attention.BlockMask on CUDA
-        if ids.device.type == "cuda":
-            self.block_mask = block_causal_mask(ids)
+        self.cache: dict[Any, Any] = {}
+
+    def block_mask(self, query_positions: torch.Tensor | None = None, key: str = "all") -> Any:
+        """The block mask of queries at `query_positions` of the sequence (default: every position),
+        cached under `key`."""
+        if ("block mask", key) not in self.cache:
+            self.cache["block mask", key] = block_causal_mask(self.ids, query_positions)
+        return self.cache["block mask", key]
 
 
-def block_causal_mask(ids: torch.Tensor) -> Any:
-    """FlexAttention's mask (a BlockMask): query q sees key k of the same row when both are in one
-    document and k <= q; blocks of 128 x 128 with no such pair are skipped."""
+def block_causal_mask(ids: torch.Tensor, query_positions: torch.Tensor | None = None) -> Any:
+    """FlexAttention's mask (a BlockMask): the query at position p sees key k of the same row when both
+    are in one document and k <= p; blocks of 128 x 128 with no such pair are skipped. The queries are
+    every position, or those at `query_positions` (bs, queries): a context-parallel rank's pieces."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    def same_document_causal(b, h, q, k):  # noqa: ANN001, ANN202
-        return (ids[b, q] == ids[b, k]) & (k <= q)
-
     bs, seqlen = ids.shape
+    positions = query_positions
+    if positions is None:
+        positions = torch.arange(seqlen, device=ids.device).expand(bs, seqlen)
+
+    def same_document_causal(b, h, q, k):  # noqa: ANN001, ANN202
+        p = positions[b, q]
+        return (ids[b, p] == ids[b, k]) & (k <= p)
+
     # Compiled, the mask is made block by block, never as a seqlen x seqlen tensor (CUDA; on the CPU,
     # where only the tests make it, eagerly).
     compiled = ids.device.type == "cuda"
     return create_block_mask(
-        same_document_causal, bs, None, seqlen, seqlen, device=ids.device, _compile=compiled
+        same_document_causal, bs, None, positions.shape[1], seqlen, device=ids.device, _compile=compiled
     )
+
+
+def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) -> torch.Tensor:
+    """Compiled FlexAttention in autocast's dtype, as SDPA would run (Qwen3's fp32 q/k norms make q and
+    k fp32 while v is bf16); (bs, heads, seqlen, head_dim) in, (bs, seqlen, heads, head_dim) out."""
+    if torch.is_autocast_enabled(q.device.type):
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+    return _compiled_flex_attention()(q, k, v, block_mask=block_mask).transpose(1, 2)
 
 
 def block_causal_attention(
@@ -78,8 +99,8 @@ def block_causal_attention(
 ) -> torch.Tensor:
     """Attention of (bs, heads, seqlen, head_dim) queries, keys and values (kv heads already repeated)
     within each document, causal; returns (bs, seqlen, heads, head_dim)."""
-    if documents.block_mask is not None:
-        return _compiled_flex_attention()(q, k, v, block_mask=documents.block_mask).transpose(1, 2)
+    if q.device.type == "cuda":
+        return flex_attention(q, k, v, documents.block_mask())
     return _segment_attention(q, k, v, documents.ids)
 
 

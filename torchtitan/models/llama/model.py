@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.documents import Documents, block_causal_attention, document_ids, document_positions
+from torchtitan.models.documents import Documents, block_causal_attention, document_positions, find_documents
 from torchtitan.models.init import normal_, ones_, seeded_init, trunc_normal_
 from torchtitan.models.llama import ModelArgs
 
@@ -290,17 +290,23 @@ class Transformer(nn.Module):
             num -= self.tok_embeddings.weight.numel()
         return num
 
-    def forward(self, tokens: torch.Tensor, skip_output: bool = False) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, skip_output: bool = False, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """tokens: (bs, seqlen) ids, or hidden states on a stage without `tok_embeddings`.
 
         Returns float logits (bs, seqlen, vocab), or hidden states on a stage without `output` or
         with `skip_output` (the loss then projects them itself, see torchtitan/chunked_loss.py).
-        With block_causal the documents are found in `tokens` and RoPE counts from each one's start.
+        With block_causal the documents are found in `tokens`, or given as `document_ids` (bs, seq_len)
+        of the whole sequences where `tokens` are not those (a later pipeline stage's hidden states, a
+        context-parallel rank's share), and RoPE counts from each document's start.
         """
         documents, freqs_cis = None, self.freqs_cis
         if self.model_args.attn_mask_type == "block_causal":
-            ids = document_ids(tokens, self.model_args.eos_id, self.model_args.bos_id)
-            documents, freqs_cis = Documents(ids), self.freqs_cis[document_positions(ids)]
+            if document_ids is None:
+                document_ids = find_documents(tokens, self.model_args.eos_id, self.model_args.bos_id)
+            documents = Documents(document_ids)
+            freqs_cis = self.freqs_cis[document_positions(document_ids)]
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, freqs_cis, documents)
