@@ -3,11 +3,12 @@ that `transformers.AutoModelForCausalLM.from_pretrained` loads, for any model.na
 LlamaForCausalLM, Qwen3 as Qwen3ForCausalLM, Qwen3-MoE as Qwen3MoeForCausalLM with the Hub's
 per-expert weights):
 
-    python scripts/convert_dcp_to_hf.py outputs/checkpoint/step-100 hf_model --name llama3 --flavor debugmodel
-    python scripts/convert_dcp_to_hf.py outputs/checkpoint/step-100 hf_model --name qwen3 --flavor 0.6B
+    python scripts/convert_dcp_to_hf.py outputs/checkpoint/step-100 hf_model
+    python scripts/convert_dcp_to_hf.py converted_from_hf hf_model --name qwen3 --flavor 0.6B  # no record
 
 The flavour gives what the weights' shapes do not (head counts and size, RoPE theta and scaling, norm
-epsilon, tied embeddings): pass the model.name and model.flavor the checkpoint was trained with. A
+epsilon, tied embeddings): the checkpoint records the model.name and model.flavor it was trained
+with, which are the defaults of --name and --flavor (a different one given is refused, one line). A
 tied model's file has no lm_head.weight, as HF's. The tokenizer is not copied.
 """
 
@@ -22,7 +23,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, uninstalled
 
 from torchtitan.checkpoint.folder import check_checkpoint  # noqa: E402
-from torchtitan.checkpoint.load import read_model_weights  # noqa: E402
+from torchtitan.checkpoint.load import read_model_record, read_model_weights  # noqa: E402
 from torchtitan.config.options import ConfigError  # noqa: E402
 from torchtitan.config.paths import check_writable_folder  # noqa: E402
 from torchtitan.errors import run_with_exit_codes  # noqa: E402
@@ -79,6 +80,24 @@ def convert(
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def recorded_model(checkpoint: str, name: str | None, flavor: str | None) -> tuple[str, str]:
+    """The model.name and model.flavor to export as: the checkpoint's record, which a --name or
+    --flavor given must match (checked before anything else: the wrong family is the first thing to
+    say); without a record (saved by an earlier version, converted from Hugging Face), those given or
+    llama3 debugmodel."""
+    check_checkpoint("checkpoint", checkpoint)
+    record = read_model_record(checkpoint)
+    if record is None:
+        return name or "llama3", flavor or "debugmodel"
+    for option, given, saved in (("--name", name, record["name"]), ("--flavor", flavor, record["flavor"])):
+        if given is not None and given != saved:
+            raise ConfigError(
+                f"{option}: {checkpoint} holds a {record['name']} {record['flavor']} model (its record), "
+                f"not {given}; pass {option} {saved} or leave {option} out"
+            )
+    return record["name"], record["flavor"]
+
+
 def main(argv: list[str] | None = None) -> int:
     """The exit code (errors.py's): 2 and one line for a bad argument or checkpoint."""
     return run_with_exit_codes(lambda: run(argv))
@@ -90,8 +109,10 @@ def run(argv: list[str] | None) -> int:
     )
     parser.add_argument("checkpoint", help="DCP checkpoint folder, e.g. outputs/checkpoint/step-100")
     parser.add_argument("output", help="folder to write config.json and model.safetensors into")
-    parser.add_argument("--name", default="llama3", choices=MODEL_SPECS, help="model.name of the run")
-    parser.add_argument("--flavor", default="debugmodel", help="model.flavor of the run")
+    parser.add_argument(
+        "--name", choices=MODEL_SPECS, help="model.name of the run (default: the checkpoint's record)"
+    )
+    parser.add_argument("--flavor", help="model.flavor of the run (default: the checkpoint's record)")
     parser.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as saved)")
     parser.add_argument(
         "--max-position-embeddings", type=int, default=8192, help="context length written to config.json"
@@ -103,6 +124,7 @@ def run(argv: list[str] | None) -> int:
         "biases (HF's model has none; it then routes differently)",
     )
     args = parser.parse_args(argv)
+    args.name, args.flavor = recorded_model(args.checkpoint, args.name, args.flavor)
     flavors = MODEL_SPECS[args.name].flavors
     if args.flavor not in flavors:
         parser.error(f"--flavor: {args.name} has no flavor {args.flavor!r}; one of {', '.join(flavors)}")

@@ -12,11 +12,13 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from scripts import convert_dcp_to_hf, convert_dcp_to_torch, convert_hf_to_dcp
 from torchtitan.checkpoint.load import read_model_weights
+from torchtitan.checkpoint.state import RECORD
 from torchtitan.config.options import ConfigError
 from torchtitan.models import MODEL_SPECS
 from torchtitan.models.llama import ModelArgs
 from torchtitan.models.llama.hf_convert import halves_to_interleaved, interleaved_to_halves
 from torchtitan.models.qwen3 import Qwen3ModelArgs
+from torchtitan.models.qwen3_moe import qwen3_moe_configs
 
 # GQA (8 query heads sharing 2 kv heads) and Llama 3.1's scaled RoPE, with low frequencies that it scales.
 TINY_GQA = ModelArgs(
@@ -75,15 +77,33 @@ def test_dcp_to_hf_matches_transformers_and_round_trips(tmp_path):
 
 
 def test_dcp_to_hf_command_line(tmp_path, capsys):
-    """The debug flavour by name, cast to bfloat16."""
+    """The model.name and flavour from the checkpoint's record (the debug flavour), cast to bfloat16;
+    another family given is refused before anything else, naming the recorded one."""
     args = ModelArgs(dim=256, n_layers=6, n_heads=16, rope_theta=500000, vocab_size=40)
-    dcp.save({"model": random_model(args).state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-    convert_dcp_to_hf.main([str(tmp_path / "dcp"), str(tmp_path / "hf"), "--flavor", "debugmodel", "--dtype",
-                            "bfloat16"])  # fmt: skip
+    record = {"name": "llama3", "flavor": "debugmodel", "tokenizer_sha256": "0" * 64}
+    state = {"model": random_model(args).state_dict(), RECORD: record}
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert convert_dcp_to_hf.main([str(tmp_path / "dcp"), str(tmp_path / "hf"), "--dtype", "bfloat16"]) == 0
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["torch_dtype"] == "bfloat16" and config["num_hidden_layers"] == 6
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    capsys.readouterr()
+
+    # A Qwen3-MoE checkpoint (its routing biases non-zero) exported as Qwen3: the family is named first.
+    record = {"name": "qwen3_moe", "flavor": "debugmodel", "tokenizer_sha256": "0" * 64}
+    moe = MODEL_SPECS["qwen3_moe"].build(replace(qwen3_moe_configs["debugmodel"], vocab_size=40))
+    moe.init_weights(0)
+    weights = {k: v.fill_(1.0) if k.endswith("expert_bias") else v for k, v in moe.state_dict().items()}
+    dcp.save({"model": weights, RECORD: record}, checkpoint_id=str(tmp_path / "moe"), no_dist=True)
+    assert convert_dcp_to_hf.main([str(tmp_path / "moe"), str(tmp_path / "x"), "--name", "qwen3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--name: " in err and "holds a qwen3_moe debugmodel model" in err, err
+    assert "--drop-expert-bias" not in err and not (tmp_path / "x").exists()
+
+    # Without a record (converted from Hugging Face, saved by an earlier version): --name and --flavor.
+    dcp.save({"model": random_model(args).state_dict()}, checkpoint_id=str(tmp_path / "bare"), no_dist=True)
     with pytest.raises(SystemExit):
-        convert_dcp_to_hf.main([str(tmp_path / "dcp"), str(tmp_path / "x"), "--flavor", "nosuch"])
+        convert_dcp_to_hf.main([str(tmp_path / "bare"), str(tmp_path / "x"), "--flavor", "nosuch"])
     assert "has no flavor 'nosuch'" in capsys.readouterr().err
 
 

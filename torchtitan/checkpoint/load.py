@@ -108,13 +108,21 @@ def _check_model_shapes(model_state: Stateful, path: str, saved: dict[str, Any])
         raise ConfigError(f"checkpoint: {path} holds {extra[0][6:]}, which the model lacks; {hint}")
 
 
+def read_model_record(path: str) -> dict[str, str] | None:
+    """The model the checkpoint at `path` records (name, flavor, tokenizer_sha256), or None where it
+    records none (saved by an earlier version, converted from Hugging Face)."""
+    if not any(key.startswith(RECORD + ".") for key in saved_entries(path)):
+        return None
+    return {key.removeprefix(RECORD + "."): v for key, v in read_checkpoint(path, RECORD + ".").items()}
+
+
 def check_model_record(path: str, model_config: ModelConfig) -> None:
     """Raise a one-line ConfigError if the checkpoint at `path` holds another model (name, flavour or
     tokenizer) than `model_config`'s. What a checkpoint does not record (saved by an earlier version,
     converted from Hugging Face) is unknown and passes."""
-    if not any(key.startswith(RECORD + ".") for key in saved_entries(path)):
+    saved = read_model_record(path)
+    if saved is None:
         return
-    saved = {key.removeprefix(RECORD + "."): v for key, v in read_checkpoint(path, RECORD + ".").items()}
     ours = model_record(model_config)
     if (saved["name"], saved["flavor"]) != (ours["name"], ours["flavor"]):
         option = "model.name" if saved["name"] != ours["name"] else "model.flavor"
