@@ -7,12 +7,13 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from launch import ROOT
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from scripts import convert_dcp_to_hf, convert_dcp_to_torch, convert_hf_to_dcp
 from torchtitan.checkpoint.load import read_model_weights
-from torchtitan.checkpoint.state import RECORD
+from torchtitan.checkpoint.state import RECORD, tokenizer_sha256
 from torchtitan.config.options import ConfigError
 from torchtitan.models import MODEL_SPECS
 from torchtitan.models.llama import ModelArgs
@@ -77,20 +78,29 @@ def test_dcp_to_hf_matches_transformers_and_round_trips(tmp_path):
 
 
 def test_dcp_to_hf_command_line(tmp_path, capsys):
-    """The model.name and flavour from the checkpoint's record (the debug flavour), cast to bfloat16;
-    another family given is refused before anything else, naming the recorded one."""
+    """The model.name, flavour and tokenizer from the checkpoint's record (the debug flavour), cast to
+    bfloat16; another family given is refused before anything else, naming the recorded one, and
+    another tokenizer by its hash."""
     args = ModelArgs(dim=256, n_layers=6, n_heads=16, rope_theta=500000, vocab_size=40)
-    record = {"name": "llama3", "flavor": "debugmodel", "tokenizer_sha256": "0" * 64}
+    tokenizer = str(ROOT / "assets" / "tokenizer" / "kjv_bpe.tiktoken")
+    record = {"name": "llama3", "flavor": "debugmodel", "tokenizer_path": tokenizer}
+    record["tokenizer_sha256"] = tokenizer_sha256(tokenizer)
     state = {"model": random_model(args).state_dict(), RECORD: record}
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     assert convert_dcp_to_hf.main([str(tmp_path / "dcp"), str(tmp_path / "hf"), "--dtype", "bfloat16"]) == 0
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["torch_dtype"] == "bfloat16" and config["num_hidden_layers"] == 6
     assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
     capsys.readouterr()
+    hf_tokenizer = str(ROOT / "assets" / "tokenizer" / "kjv_bpe_hf")
+    argv = [str(tmp_path / "dcp"), str(tmp_path / "x"), "--tokenizer", hf_tokenizer]
+    assert convert_dcp_to_hf.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--tokenizer: " in err and "(their SHA-256 differ)" in err
 
     # A Qwen3-MoE checkpoint (its routing biases non-zero) exported as Qwen3: the family is named first.
-    record = {"name": "qwen3_moe", "flavor": "debugmodel", "tokenizer_sha256": "0" * 64}
+    record = {**record, "name": "qwen3_moe"}
     moe = MODEL_SPECS["qwen3_moe"].build(replace(qwen3_moe_configs["debugmodel"], vocab_size=40))
     moe.init_weights(0)
     weights = {k: v.fill_(1.0) if k.endswith("expert_bias") else v for k, v in moe.state_dict().items()}
@@ -100,10 +110,14 @@ def test_dcp_to_hf_command_line(tmp_path, capsys):
     assert err.count("\n") == 1 and "--name: " in err and "holds a qwen3_moe debugmodel model" in err, err
     assert "--drop-expert-bias" not in err and not (tmp_path / "x").exists()
 
-    # Without a record (converted from Hugging Face, saved by an earlier version): --name and --flavor.
+    # Without a record (converted from Hugging Face, saved by an earlier version): --name, --flavor and
+    # --tokenizer.
     dcp.save({"model": random_model(args).state_dict()}, checkpoint_id=str(tmp_path / "bare"), no_dist=True)
+    assert convert_dcp_to_hf.main([str(tmp_path / "bare"), str(tmp_path / "x")]) == 2
+    assert "--tokenizer: " in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        convert_dcp_to_hf.main([str(tmp_path / "bare"), str(tmp_path / "x"), "--flavor", "nosuch"])
+        argv = [str(tmp_path / "bare"), str(tmp_path / "x"), "--flavor", "nosuch", "--tokenizer", tokenizer]
+        convert_dcp_to_hf.main(argv)
     assert "has no flavor 'nosuch'" in capsys.readouterr().err
 
 

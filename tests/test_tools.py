@@ -158,6 +158,36 @@ def test_generate_from_an_earlier_step_and_bad_input(runs, capsys):
     assert code == 2 and "unknown option --max_new_token; did you mean --max_new_tokens?" in result.err
 
 
+def corpus_lines() -> list[str]:
+    lines = (ROOT / "assets" / "corpus" / "kjv" / "validation.jsonl").read_text().splitlines()
+    return [json.loads(line)["text"] for line in lines]
+
+
+def test_an_export_runs_in_transformers_as_generate_py(runs, tmp_path, capsys, tok):
+    """Step 3 of a trained run exported for transformers with nothing but the checkpoint and a folder
+    (its record names the model and the tiktoken tokenizer, written as tokenizer.json): AutoTokenizer
+    gives our ids on the bundled corpus (BOS first), and transformers' text-generation pipeline writes
+    generate.py's greedy text."""
+    transformers = pytest.importorskip("transformers")
+    convert = load_script("convert_dcp_to_hf")
+    assert convert.main([str(runs[0] / "checkpoint" / "step-3"), str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (tok.bos_id, tok.eos_id)
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == tok.eos_id
+
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    for text in corpus_lines():
+        assert hf_tokenizer(text)["input_ids"] == tok.encode(text, bos=True, eos=False), text
+
+    code, ours = sample(runs[0], capsys, "--checkpoint.load_step", "3", "--temperature", "0")
+    assert code == 0, ours.err
+    pipe = transformers.pipeline("text-generation", model=str(tmp_path / "hf"), dtype=torch.float32)
+    theirs = pipe("And God said", max_new_tokens=12, do_sample=False)[0]["generated_text"]
+    assert theirs + "\n" == ours.out
+
+
 def test_generate_from_a_qwen3_checkpoint(tmp_path, capsys, tok):
     """model.name qwen3 (tied embeddings: one parameter under two names in the checkpoint): greedy
     sampling gives the greedy continuation of the very model that was saved."""
@@ -193,6 +223,7 @@ def test_generate_with_a_tokenizer_without_bos(tmp_path, capsys, hf_tok):
     greedy = [*hf, "--temperature", "0", "--checkpoint.initial_load_path", str(tmp_path / "ckpt")]
     code, result = sample(tmp_path / "run", capsys, *greedy)
     assert code == 0, result.err
+    result_greedy = result
 
     tokens = [hf_tok.eos_id, *hf_tok.encode("And God said", bos=False, eos=False)]
     start = len(tokens)
@@ -205,3 +236,17 @@ def test_generate_with_a_tokenizer_without_bos(tmp_path, capsys, hf_tok):
     assert result.out == "And God said" + hf_tok.decode(tokens[start:]) + "\n"
     code, result = sample(tmp_path / "run", capsys, *greedy, "--prompt", "")
     assert code == 0, result.err
+
+    # Exported with its tokenizer.json (no record: name and tokenizer given): transformers' ids are ours,
+    # and the model's prompt after EOS, as generate.py's, gives its greedy text (docs/checkpointing.md).
+    transformers = pytest.importorskip("transformers")
+    convert = load_script("convert_dcp_to_hf")
+    tokenizer = str(ROOT / "assets" / "tokenizer" / "kjv_bpe_hf")
+    assert convert.main([str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--tokenizer", tokenizer]) == 0
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    for text in corpus_lines():
+        assert hf_tokenizer(text)["input_ids"] == hf_tok.encode(text, bos=False, eos=False), text
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    prompt = hf_tokenizer(hf_tokenizer.eos_token + "And God said", return_tensors="pt")
+    out = hf_model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    assert hf_tokenizer.decode(out[0, 1:], skip_special_tokens=True) + "\n" == result_greedy.out

@@ -123,13 +123,22 @@ class RNGState(Stateful):
 RECORD = "model_record"  # the state-dict key of a checkpoint's model record
 
 
+def tokenizer_sha256(tokenizer_path: str) -> str:
+    """The SHA-256 of a model.tokenizer_path's file (a Hugging Face folder's tokenizer.json)."""
+    tokenizer = resolve_path(tokenizer_path)
+    if os.path.isdir(tokenizer):  # a Hugging Face tokenizer folder
+        tokenizer = os.path.join(tokenizer, "tokenizer.json")
+    with open(tokenizer, "rb") as f:  # a few MB at most
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def model_record(model_config: ModelConfig) -> dict[str, str]:
     """What every checkpoint records of the model it holds: the weights of models of the same shapes
     (llama2's and llama3's debug models, llama3's 8B and 3.1_8B) would load into one another silently,
     and so would a model into a run with another tokenizer of the same vocabulary size."""
-    tokenizer = resolve_path(model_config.tokenizer_path)
-    if os.path.isdir(tokenizer):  # a Hugging Face tokenizer folder
-        tokenizer = os.path.join(tokenizer, "tokenizer.json")
-    with open(tokenizer, "rb") as f:  # a few MB at most
-        tokenizer_sha256 = hashlib.sha256(f.read()).hexdigest()
-    return {"name": model_config.name, "flavor": model_config.flavor, "tokenizer_sha256": tokenizer_sha256}
+    return {
+        "name": model_config.name,
+        "flavor": model_config.flavor,
+        "tokenizer_sha256": tokenizer_sha256(model_config.tokenizer_path),
+        "tokenizer_path": model_config.tokenizer_path,  # as the job gave it: what an export copies
+    }
