@@ -17,86 +17,25 @@ EOS and pad ids in config.json and generation_config.json, so that transformers'
 """
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, uninstalled
 
 from torchtitan.checkpoint.folder import check_checkpoint  # noqa: E402
-from torchtitan.checkpoint.load import read_model_record, read_model_weights  # noqa: E402
+from torchtitan.checkpoint.hf_export import export_hf as convert  # noqa: E402
+from torchtitan.checkpoint.load import read_model_record  # noqa: E402
 from torchtitan.checkpoint.state import tokenizer_sha256  # noqa: E402
 from torchtitan.config.options import ConfigError  # noqa: E402
-from torchtitan.config.paths import check_writable_folder, resolve_path  # noqa: E402
-from torchtitan.datasets.hf_export import write_tokenizer_files  # noqa: E402
+from torchtitan.config.paths import resolve_path  # noqa: E402
 from torchtitan.datasets.tokenizer import AnyTokenizer, build_tokenizer  # noqa: E402
 from torchtitan.errors import run_with_exit_codes  # noqa: E402
 from torchtitan.models import MODEL_SPECS  # noqa: E402
-from torchtitan.models.spec import ModelArgs  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def convert(
-    checkpoint: str,
-    output: str,
-    model_args: ModelArgs,
-    dtype: torch.dtype | None = None,
-    max_position_embeddings: int = 8192,
-    name: str = "llama3",
-    drop_expert_bias: bool = False,
-    tokenizer: AnyTokenizer | None = None,
-) -> None:
-    """Write config.json and model.safetensors of model.name `name`'s checkpoint into `output`, and with
-    the run's `tokenizer` its files, its BOS/EOS/pad ids in config.json and generation_config.json. A
-    mixture-of-experts model's routing biases (moe.bias_update_rate) have no place in HF's model: a
-    non-zero one is refused unless `drop_expert_bias`, as the model routes differently without it."""
-    check_checkpoint("checkpoint", checkpoint)
-    check_writable_folder("output", output)
-    weights = read_model_weights(checkpoint)
-    biases = [key for key in weights if key.endswith(".expert_bias")]
-    if not drop_expert_bias and any(weights[key].any() for key in biases):
-        raise ConfigError(
-            "--drop-expert-bias: the checkpoint's experts were chosen with a routing bias "
-            "(moe.bias_update_rate) that Hugging Face's model has no place for, so it would route tokens "
-            "differently; pass --drop-expert-bias to export it without the bias"
-        )
-    weights = {key: w for key, w in weights.items() if key not in biases}
-    dim = weights["tok_embeddings.weight"].shape[1]
-    if dim != model_args.dim:
-        raise ConfigError(f"--flavor: the checkpoint's model has dim {dim}, the flavor {model_args.dim}")
-    if model_args.tie_word_embeddings and not torch.equal(
-        weights["output.weight"], weights["tok_embeddings.weight"]
-    ):
-        raise ConfigError(
-            "--flavor: the flavor ties the output layer to the embeddings, the checkpoint's differ; "
-            "pass the flavor the checkpoint was trained with (an untied one)"
-        )
-    if dtype is not None:
-        weights = {key: w.to(dtype) for key, w in weights.items()}
-    spec = MODEL_SPECS[name]
-    adapter = spec.hf()
-    folder = Path(output)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(adapter.to_hf(weights, model_args), folder / "model.safetensors", {"format": "pt"})
-    config = {
-        "architectures": [spec.hf_architecture],
-        **adapter.hf_config(model_args, weights, max_position_embeddings, weights["norm.weight"].dtype),
-    }
-    if tokenizer is not None:
-        ids = {
-            "bos_token_id": tokenizer.bos_id,
-            "eos_token_id": tokenizer.eos_id,
-            "pad_token_id": getattr(tokenizer, "pad_id", None),
-        }
-        config.update(ids)
-        (folder / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
-        write_tokenizer_files(tokenizer, folder, max_position_embeddings)
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def recorded_model(

@@ -38,7 +38,8 @@ def one_thread():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Two 6-step runs of the tiny job that differ in learning rate only, validated at steps 3 and 6.
-    The first saves a full checkpoint at step 3 and, at step 6, a bfloat16 weights-only export."""
+    The first saves a full checkpoint at step 3 and, at step 6, a bfloat16 weights-only export, also
+    exported for Hugging Face (checkpoint.last_save_in_hf)."""
     base = tmp_path_factory.mktemp("runs")
     common = [*TINY_JOB, "--training.steps", "6", "--training.batch_size", "2", *VALIDATION]
     common += ["--validation.freq", "3"]
@@ -55,6 +56,8 @@ def runs(tmp_path_factory):
         "true",
         "--checkpoint.export_dtype",
         "bfloat16",
+        "--checkpoint.last_save_in_hf",
+        "true",
     )
     second = run_train_in_process(*common, "--job.dump_folder", str(base / "b"), "--optimizer.lr", "1e-4")
     assert (first, second) == (0, 0)
@@ -186,6 +189,29 @@ def test_an_export_runs_in_transformers_as_generate_py(runs, tmp_path, capsys, t
     pipe = transformers.pipeline("text-generation", model=str(tmp_path / "hf"), dtype=torch.float32)
     theirs = pipe("And God said", max_new_tokens=12, do_sample=False)[0]["generated_text"]
     assert theirs + "\n" == ours.out
+
+
+def test_the_last_save_is_exported_for_transformers(runs, tok):
+    """checkpoint.last_save_in_hf: {dump_folder}/hf holds step 6's weights as they were saved (bfloat16)
+    and the tokenizer, and transformers loads it as it is; the option without checkpoints is refused."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from torchtitan.checkpoint.load import read_model_weights
+    from torchtitan.models.llama.hf_convert import to_hf
+
+    args = build_model_args(parse_args(TINY_JOB), tok.n_words)
+    saved = to_hf(read_model_weights(str(runs[0] / "checkpoint" / "step-6")), args)
+    exported = load_file(runs[0] / "hf" / "model.safetensors")
+    model = transformers.AutoModelForCausalLM.from_pretrained(runs[0] / "hf")
+    assert model.dtype == torch.bfloat16 and exported.keys() == saved.keys()
+    for name, w in saved.items():
+        assert w.dtype == torch.bfloat16 and torch.equal(exported[name], w), name
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(runs[0] / "hf")
+    assert hf_tokenizer("And God said")["input_ids"] == tok.encode("And God said", bos=True, eos=False)
+
+    argv = [*TINY_JOB, "--checkpoint.last_save_in_hf", "true"]
+    assert run_train_in_process(*argv) == 2
 
 
 def test_generate_from_a_qwen3_checkpoint(tmp_path, capsys, tok):

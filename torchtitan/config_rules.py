@@ -236,6 +236,15 @@ def check_lr_schedule(lr_scheduler_config: LRSchedulerConfig, total_steps: int) 
         )
 
 
+def check_hf_export(job_config: JobConfig) -> None:
+    """checkpoint.last_save_in_hf exports the last step's save: there must be one."""
+    if job_config.checkpoint.last_save_in_hf and not job_config.checkpoint.enable_checkpoint:
+        raise ConfigError(
+            "checkpoint.last_save_in_hf: exports the last step's checkpoint, and checkpointing is off; "
+            "set checkpoint.enable_checkpoint true"
+        )
+
+
 def check_device(job_config: JobConfig, parallel_dims: ParallelDims, device_type: str) -> None:
     """Options that need CUDA (or CUDA and more)."""
     if job_config.parallelism.enable_async_tensor_parallel and not (
@@ -326,6 +335,7 @@ def check_layout(
     gradient_accumulation_steps(job_config.training, parallel_dims)
     check_validation(job_config, parallel_dims)
     check_lr_schedule(job_config.lr_scheduler, job_config.training.steps)
+    check_hf_export(job_config)
     if device_type is not None:
         check_device(job_config, parallel_dims, device_type)
     check_float8(job_config, parallel_dims, device_type, cuda_capability)

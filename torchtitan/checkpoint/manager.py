@@ -33,6 +33,7 @@ from torchtitan.checkpoint.folder import (
     is_complete,
     list_checkpoints,
 )
+from torchtitan.checkpoint.hf_export import export_hf
 from torchtitan.checkpoint.load import check_model_record, load_states
 from torchtitan.checkpoint.safe_reader import saved_entries
 from torchtitan.checkpoint.state import (
@@ -46,6 +47,8 @@ from torchtitan.checkpoint.state import (
     model_record,
 )
 from torchtitan.config.options import JobConfig
+from torchtitan.config.paths import resolve_path
+from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.errors import CheckpointWriteError, os_error_behind
 from torchtitan.logging import logger
 from torchtitan.parallelisms.parallelize import DTYPES
@@ -76,6 +79,7 @@ class CheckpointManager:
         train_state: TrainState,
         job_config: JobConfig,
     ) -> None:
+        parts = model if isinstance(model, list) else [model]
         if isinstance(model, list):
             model = merge_model_parts(model)
         self.checkpoint_config = job_config.checkpoint
@@ -91,6 +95,9 @@ class CheckpointManager:
             "rng": RNGState(),
         }
         self.record = model_record(job_config.model)
+        # checkpoint.last_save_in_hf: the model's arguments and where its export goes.
+        self.model_args = getattr(parts[0], "model_args", None)
+        self.hf_folder = os.path.join(job_config.job.dump_folder, "hf")
         self.is_coordinator = not dist.is_initialized() or dist.get_rank() == 0
         self._pending: tuple[int, Future] | None = None  # an async save not yet committed
         self._purger: threading.Thread | None = None
@@ -207,6 +214,8 @@ class CheckpointManager:
             with self._write_errors_reported(step):
                 dcp.save(state, checkpoint_id=tmp, storage_writer=ChecksumWriter(tmp))
                 self._commit(step)
+            if last_step and self.checkpoint_config.last_save_in_hf and self.is_coordinator:
+                self._export_hf(step)
             return
         start = time.perf_counter()
         with self._write_errors_reported(step):
@@ -221,6 +230,17 @@ class CheckpointManager:
         self._pending = (step, future)
         staged = time.perf_counter() - start
         logger.info(f"Staged checkpoint step {step} in {staged:.2f}s; writing it in the background")
+
+    def _export_hf(self, step: int) -> None:
+        """checkpoint.last_save_in_hf: `step-N` as a Hugging Face folder in {dump_folder}/hf."""
+        export_hf(
+            self._path(step),
+            self.hf_folder,
+            self.model_args,
+            name=self.model_config.name,
+            tokenizer=build_tokenizer(resolve_path(self.model_config.tokenizer_path)),
+        )
+        logger.info(f"Exported {self._path(step)} for Hugging Face transformers to {self.hf_folder}")
 
     def wait(self) -> None:
         """Wait for the async save in flight, if any, and commit it."""

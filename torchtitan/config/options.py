@@ -295,6 +295,11 @@ class CheckpointConfig:
         "Dtype of the weights saved by model_weights_only",
         choices=("float32", "bfloat16", "float16"),
     )
+    last_save_in_hf: bool = opt(
+        False,
+        "After the last step's save, also export it as a Hugging Face folder, {dump_folder}/hf, that "
+        "transformers runs as it is (weights, config, generation config, tokenizer; read whole by rank 0)",
+    )
     exclude_from_loading: list[str] = opt(
         [],
         "Parts of the checkpoint not to load on resume (they start fresh), e.g. dataloader,optimizer",
