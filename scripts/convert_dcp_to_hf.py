@@ -30,7 +30,7 @@ from torchtitan.checkpoint.hf_export import export_hf as convert  # noqa: E402
 from torchtitan.checkpoint.load import read_model_record  # noqa: E402
 from torchtitan.checkpoint.state import tokenizer_sha256  # noqa: E402
 from torchtitan.config.options import ConfigError  # noqa: E402
-from torchtitan.config.paths import resolve_path  # noqa: E402
+from torchtitan.config.paths import check_writable_folder, resolve_path  # noqa: E402
 from torchtitan.datasets.tokenizer import AnyTokenizer, build_tokenizer  # noqa: E402
 from torchtitan.errors import run_with_exit_codes  # noqa: E402
 from torchtitan.models import MODEL_SPECS  # noqa: E402
@@ -39,12 +39,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def recorded_model(
-    checkpoint: str, name: str | None, flavor: str | None, tokenizer_path: str | None
+    checkpoint: str, output: str, name: str | None, flavor: str | None, tokenizer_path: str | None
 ) -> tuple[str, str, AnyTokenizer]:
     """The model.name, model.flavor and tokenizer to export with: the checkpoint's record, which a
     --name or --flavor given must match (checked before anything else: the wrong family is the first
-    thing to say) and a --tokenizer given must hash as; without a record (saved by an earlier version,
-    converted from Hugging Face), those given (--name and --flavor default to llama3 debugmodel)."""
+    thing to say; then the output folder) and a --tokenizer given must hash as; without a record (saved
+    by an earlier version, converted from Hugging Face), those given (--name and --flavor default to
+    llama3 debugmodel)."""
     check_checkpoint("checkpoint", checkpoint)
     record = read_model_record(checkpoint) or {}
     for option, given, saved in (
@@ -56,6 +57,7 @@ def recorded_model(
                 f"{option}: {checkpoint} holds a {record['name']} {record['flavor']} model (its record), "
                 f"not {given}; pass {option} {saved} or leave {option} out"
             )
+    check_writable_folder("output", output)
     tokenizer_path = tokenizer_path or record.get("tokenizer_path")
     if tokenizer_path is None:
         raise ConfigError(
@@ -105,7 +107,7 @@ def run(argv: list[str] | None) -> int:
     )
     args = parser.parse_args(argv)
     args.name, args.flavor, tokenizer = recorded_model(
-        args.checkpoint, args.name, args.flavor, args.tokenizer
+        args.checkpoint, args.output, args.name, args.flavor, args.tokenizer
     )
     flavors = MODEL_SPECS[args.name].flavors
     if args.flavor not in flavors:

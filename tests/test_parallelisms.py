@@ -6,14 +6,20 @@ test_parity.py."""
 import collections
 import contextlib
 import gc
+import importlib.util
+import json
+import os
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from launch import TINY_JOB, run_train_in_process
+from test_convert import random_model
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -23,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchtitan.datasets.tokenizer
 import torchtitan.parallelisms.distributed
+from torchtitan.checkpoint.hf_reader import load_hf_weights
 from torchtitan.chunked_loss import chunked_cross_entropy
 from torchtitan.config.options import JobConfig, MoEConfig
 from torchtitan.config.parser import parse_args
@@ -517,6 +524,26 @@ def _mesh_worker(rank: int, world_size: int, tmp_dir: str) -> None:
             QWEN3_TINY, Qwen3Transformer, ddp, tokens, data_parallel_replicate_degree=4
         )
 
+        # Hugging Face folders (saved by transformers) loaded straight into sharded models: Llama on
+        # FSDP 2 x TP 2 (strided dim-0 shards, wq/wk rows reordered per head), Qwen3-MoE's stacked experts
+        # on EP 2 over FSDP 4; what each rank read of the files.
+        for name, args, cls, dims, parallelism in (
+            ("llama3", TINY, Transformer, fsdp_tp, {"tensor_parallel_degree": 2}),
+            ("qwen3_moe", MOE_TINY, Qwen3MoeTransformer, ParallelDims(dp_shard=4, ep=2, world_size=4),
+             {"expert_parallel_degree": 2}),
+        ):  # fmt: skip
+            hub = f"{tmp_dir}/hub_{name}"
+            if not os.path.isdir(hub):  # without transformers
+                continue
+            config = _config(**parallelism)
+            config.model.name = name
+            model = _build(args, dims.build_mesh("cpu"), dims, config, cls)
+            reader = load_hf_weights(model, hub, config.model)
+            results[f"hf_{name}"] = {clean_fqn(n): _full(p) for n, p in model.named_parameters()}
+            read = [None] * world_size
+            dist.all_gather_object(read, reader.bytes_read)
+            results[f"hf_{name}_bytes_read"] = read
+
         counter = _CountCollectives()
         batches = torch.randint(0, TINY.vocab_size, (2, 2, 17), generator=torch.Generator().manual_seed(rank))
         for case, dims in {
@@ -533,11 +560,52 @@ def _mesh_worker(rank: int, world_size: int, tmp_dir: str) -> None:
         dist.destroy_process_group()
 
 
+def _hub_folder(folder: Path, name: str, args: ModelArgs) -> None:
+    """A random model of family `name` saved by transformers' save_pretrained (the Hub's layout)."""
+    import transformers
+
+    from torchtitan.checkpoint.hf_export import export_hf
+
+    model = random_model(args, name)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder / "dcp"), no_dist=True)
+    export_hf(str(folder / "dcp"), str(folder / "ours"), args, name=name)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder / "ours", dtype=torch.float32)
+    hf_model.save_pretrained(folder / f"hub_{name}")
+
+
 @pytest.fixture(scope="module")
 def mesh_results(tmp_path_factory):
     tmp_dir = tmp_path_factory.mktemp("mesh4")
+    if importlib.util.find_spec("transformers") is not None:
+        _hub_folder(tmp_dir, "llama3", TINY)
+        _hub_folder(tmp_dir, "qwen3_moe", MOE_TINY)
     mp.spawn(_mesh_worker, args=(4, str(tmp_dir)), nprocs=4, join=True)
-    return torch.load(tmp_dir / "results.pt", weights_only=False)
+    results = torch.load(tmp_dir / "results.pt", weights_only=False)
+    results["tmp_dir"] = tmp_dir
+    return results
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen3_moe"])
+def test_a_hugging_face_folder_loads_each_rank_its_share(mesh_results, name):
+    """checkpoint.initial_load_path as a folder transformers saved (checkpoint/hf_reader.py): the sharded
+    model holds exactly the weights of the whole-model conversion (convert_hf_to_dcp.py's), and each of 4
+    ranks read about a quarter of the files."""
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from torchtitan.models import MODEL_SPECS
+
+    hub = mesh_results["tmp_dir"] / f"hub_{name}"
+    files = load_file(hub / "model.safetensors")
+    config = json.loads((hub / "config.json").read_text())
+    expected = MODEL_SPECS[name].hf().from_hf(files, config)
+    loaded = mesh_results[f"hf_{name}"]
+    assert loaded.keys() <= expected.keys()
+    for fqn, tensor in loaded.items():
+        assert torch.equal(tensor, expected[fqn]), fqn
+    total = sum(t.numel() * t.element_size() for t in files.values())
+    read = mesh_results[f"hf_{name}_bytes_read"]
+    assert max(read) <= 0.3 * total and sum(read) >= total, (read, total)
 
 
 @pytest.fixture(scope="module")

@@ -49,12 +49,17 @@ def check_load_step(checkpoint_config: CheckpointConfig, folder: str) -> None:
         )
 
 
+def is_hf_folder(path: str) -> bool:
+    """A Hugging Face model folder (its config.json), which checkpoint.initial_load_path may name."""
+    return os.path.isfile(os.path.join(path, "config.json"))
+
+
 def check_initial_load_path(checkpoint_config: CheckpointConfig) -> None:
     path = checkpoint_config.initial_load_path
-    if path is not None and not is_complete(path):
+    if path is not None and not is_complete(path) and not is_hf_folder(path):
         raise ConfigError(
-            f"checkpoint.initial_load_path: {path} is not a DCP checkpoint folder (no .metadata); "
-            "point it at a step-N folder"
+            f"checkpoint.initial_load_path: {path} is not a DCP checkpoint folder (no .metadata) nor a "
+            "Hugging Face model folder (no config.json); point it at a step-N folder or a model folder"
         )
 
 

@@ -31,9 +31,11 @@ from torchtitan.checkpoint.folder import (
     check_load_step,
     checkpoint_folder,
     is_complete,
+    is_hf_folder,
     list_checkpoints,
 )
 from torchtitan.checkpoint.hf_export import export_hf
+from torchtitan.checkpoint.hf_reader import load_hf_weights
 from torchtitan.checkpoint.load import check_model_record, load_states
 from torchtitan.checkpoint.safe_reader import saved_entries
 from torchtitan.checkpoint.state import (
@@ -147,6 +149,11 @@ class CheckpointManager:
             return step
         if self.checkpoint_config.initial_load_path is not None:
             check_initial_load_path(self.checkpoint_config)
+            path = self.checkpoint_config.initial_load_path
+            if is_hf_folder(path):
+                reader = load_hf_weights(self.states["model"].model, path, self.model_config)
+                logger.info(f"Loaded {path} (Hugging Face): this rank read {reader.bytes_read:,} bytes of it")
+                return None
             if self.checkpoint_config.verify_checksums:
                 check_intact(
                     self.checkpoint_config.initial_load_path,

@@ -312,8 +312,9 @@ class CheckpointConfig:
     )
     initial_load_path: str | None = opt(
         None,
-        "A checkpoint folder (step-N) whose model weights start a new run, e.g. for fine-tuning; "
-        "used only when the run has no checkpoint of its own",
+        "A checkpoint folder (step-N) or a Hugging Face model folder (config.json and safetensors) whose "
+        "model weights start a new run, e.g. to continue pre-training; used only when the run has no "
+        "checkpoint of its own",
     )
 
 

@@ -110,7 +110,8 @@ def check_model_files(job_config: JobConfig) -> None:
     else:
         check_file("model.tokenizer_path", tokenizer_path, resolved, text=True)
     if (path := job_config.checkpoint.initial_load_path) is not None:
-        check_folder("checkpoint.initial_load_path", path, fix="point it at a step-N checkpoint folder")
+        fix = "point it at a step-N checkpoint or a Hugging Face model folder"
+        check_folder("checkpoint.initial_load_path", path, fix=fix)
         check_initial_load_path(job_config.checkpoint)
 
 
