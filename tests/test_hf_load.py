@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers")
 TOKENIZER = ROOT / "assets" / "tokenizer" / "kjv_bpe.tiktoken"
 FAMILIES = {
     "llama3": [],
-    "qwen3": ["--model.name", "qwen3", "--model.flavor", "debugmodel"],
+    "qwen3": ["--model.name", "qwen3", "--model.flavor", "debugmodel_tied"],  # the head tied: no lm_head
     "qwen3_moe": ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel"],
 }
 ONE_STEP = [*TINY_JOB, "--training.steps", "1"]
