@@ -14,11 +14,13 @@ from launch import ROOT, TINY_JOB, losses, run_train, run_train_in_process
 from test_convert import random_model
 
 from torchtitan.checkpoint.hf_export import export_hf
+from torchtitan.checkpoint.hf_reader import load_hf_weights
+from torchtitan.config.options import ConfigError
 from torchtitan.config.parser import parse_args
 from torchtitan.datasets.build import build_training_data_loader
 from torchtitan.datasets.layout import BatchLayout
 from torchtitan.datasets.tokenizer import Tokenizer
-from torchtitan.models import build_model_args
+from torchtitan.models import MODEL_SPECS, build_model_args
 
 transformers = pytest.importorskip("transformers")
 
@@ -75,28 +77,27 @@ def test_a_hub_folder_starts_a_run(tmp_path, name):
 
 
 def test_a_bad_hub_folder_is_one_line(tmp_path, capsys):
+    """Another family through train.py (one line, exit 2, before a step); another shape, a folder
+    without weights and a damaged file through the loader, each its one-line ConfigError."""
     hub = hub_folder(tmp_path, "qwen3")
+    capsys.readouterr()  # transformers' progress bars while the folder was made
+    argv = [*ONE_STEP, "--checkpoint.initial_load_path", str(hub), "--job.dump_folder", str(tmp_path / "run")]
+    assert run_train_in_process(*argv) == 2
+    err = capsys.readouterr().err  # the data set's first build may show a progress bar before
+    line = err.split("error:")[-1]
+    assert err.count("error:") == 1 and line.count("\n") == 1, err
+    assert "model.name: " in line and "holds a qwen3 model" in line and "not this job's llama3" in line
 
-    def refused(*argv: str) -> str:
-        capsys.readouterr()  # transformers' progress bars while the folders were made
-        assert run_train_in_process(*ONE_STEP, *argv, "--job.dump_folder", str(tmp_path / "run")) == 2
-        err = capsys.readouterr().err  # the data set's first build may show a progress bar before
-        line = err.split("error:")[-1]
-        assert err.count("error:") == 1 and line.count("\n") == 1 and line.endswith("\n"), err
-        return err
-
-    # Another family; another shape (a smaller vocabulary than the job's tokenizer).
-    err = refused("--checkpoint.initial_load_path", str(hub))
-    assert "model.name: " in err and "holds a qwen3 model" in err and "not this job's llama3" in err
+    job = parse_args(ONE_STEP)
+    model = MODEL_SPECS["llama3"].build(build_model_args(job, Tokenizer(TOKENIZER).n_words))
     smaller = hub_folder(tmp_path / "smaller", "llama3", vocab_size=1024)
-    err = refused("--checkpoint.initial_load_path", str(smaller))
-    assert "model.flavor: " in err and "tok_embeddings.weight with shape (1024, 256)" in err
-    # A config.json without weights; a damaged (cut) safetensors file.
+    with pytest.raises(ConfigError, match=r"model.flavor: .* tok_embeddings.weight with shape \(1024, 256\)"):
+        load_hf_weights(model, str(smaller), job.model)
     (tmp_path / "empty").mkdir()
-    (tmp_path / "empty" / "config.json").write_text((hub / "config.json").read_text())
-    err = refused(*FAMILIES["qwen3"], "--checkpoint.initial_load_path", str(tmp_path / "empty"))
-    assert "has a config.json but no weights" in err
-    data = (hub / "model.safetensors").read_bytes()
-    (hub / "model.safetensors").write_bytes(data[: len(data) // 2])
-    err = refused(*FAMILIES["qwen3"], "--checkpoint.initial_load_path", str(hub))
-    assert "is damaged or not a safetensors file" in err
+    (tmp_path / "empty" / "config.json").write_text((smaller / "config.json").read_text())
+    with pytest.raises(ConfigError, match="has a config.json but no weights"):
+        load_hf_weights(model, str(tmp_path / "empty"), job.model)
+    data = (smaller / "model.safetensors").read_bytes()
+    (smaller / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError, match="is damaged or not a safetensors file"):
+        load_hf_weights(model, str(smaller), job.model)
