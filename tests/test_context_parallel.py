@@ -128,8 +128,8 @@ def test_documents_are_dealt_out_by_their_attention_work(cp_degree):
     """block_causal: a long document then short ones, where head-tail chunks leave the ranks holding the
     long document's end with most of the work; dealt out in pieces (each row its own), every rank holds
     the same number of tokens, every position once, and the same work within 1.1x."""
-    seq_len = 1024
-    ids = torch.cat([_packed_ids(seq_len, [700, *[6] * 50]), _packed_ids(seq_len, [30] * 30)])
+    seq_len = 8192  # pieces of FlexAttention's 128-token blocks at least: 4 to 8 of them per chunk
+    ids = torch.cat([_packed_ids(seq_len, [5600, *[48] * 50]), _packed_ids(seq_len, [240] * 30)])
     work = document_positions(ids) + 1
     layouts = sequence_layouts(seq_len, cp_degree, ids)
     held = [rows_positions(layouts, rank) for rank in range(cp_degree)]  # (rows, rank's tokens)

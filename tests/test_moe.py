@@ -3,6 +3,7 @@ Qwen3MoeForCausalLM, its Hugging Face conversion and the balancing (torchtitan/l
 process. Layouts are test_parity.py's, resume test_moe_resume.py's."""
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -221,7 +222,8 @@ def test_to_hf_refuses_a_routing_bias_unless_dropped(tmp_path, capsys):
     with torch.no_grad():
         model.layers["2"].feed_forward.expert_bias[3] = 0.01
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "step-1"))
-    argv = [str(tmp_path / "step-1"), str(tmp_path / "hf"), "--name", "qwen3_moe"]
+    tokenizer = str(Path(__file__).resolve().parents[1] / "assets" / "tokenizer" / "kjv_bpe_hf")
+    argv = [str(tmp_path / "step-1"), str(tmp_path / "hf"), "--name", "qwen3_moe", "--tokenizer", tokenizer]
     assert convert_dcp_to_hf.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --drop-expert-bias: ") and "\n" not in err, err

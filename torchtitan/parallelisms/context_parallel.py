@@ -27,8 +27,10 @@ from torchtitan.models.documents import Documents, document_positions, flex_atte
 from torchtitan.models.llama.model import repeat_kv
 
 # block_causal: each of the 2 x CP chunks is cut into up to this many pieces for dealing out (measured:
-# 1.004x between ranks on average at 128K tokens on CP 8, docs/performance.md).
+# 1.004x between ranks on average at 128K tokens on CP 8, docs/performance.md), none shorter than
+# FlexAttention's 128-token blocks (a shorter piece would fill its blocks partly, on CUDA).
 PIECES_PER_CHUNK = 8
+MIN_PIECE = 128
 
 
 def chunk_ids(cp_degree: int, cp_rank: int) -> tuple[int, int]:
@@ -64,7 +66,7 @@ def sequence_layouts(seq_len: int, cp_degree: int, document_ids: torch.Tensor | 
         return [causal_layout(seq_len, cp_degree)]
     chunk = seq_len // (2 * cp_degree)
     pieces_per_chunk = PIECES_PER_CHUNK
-    while chunk % pieces_per_chunk:
+    while pieces_per_chunk > 1 and (chunk % pieces_per_chunk or chunk // pieces_per_chunk < MIN_PIECE):
         pieces_per_chunk //= 2
     piece, n_pieces = chunk // pieces_per_chunk, 2 * cp_degree * pieces_per_chunk
     rows_work = (document_positions(document_ids.cpu()) + 1).view(-1, n_pieces, piece).sum(2).tolist()
