@@ -21,6 +21,7 @@
 | context-parallel memory | a rank's peak memory on a 4096-token sequence, CP 2 (2 ranks) / CP 1 | <= 0.6 |
 | context-parallel step time | a rank's step CPU time on that sequence at CP 2 / CP 1 | (reported) |
 | CP attention work | block_causal: the busiest rank's attention work / the idlest's, CP 4, 8, 128K | <= 1.3 |
+| Muon step time | train.py's step time with Muon / with AdamW, 1 process and FSDP 2 | (reported) |
 
 Each part runs in a fresh process (train.py's main() disables GC, compiles, may start process
 groups), on the debug model, one process per rank, `--threads` intra-op threads each. train.py's
@@ -72,6 +73,7 @@ import benchmark_context_parallel  # noqa: E402
 import benchmark_data  # noqa: E402
 import benchmark_memory  # noqa: E402
 import benchmark_moe  # noqa: E402
+import benchmark_optimizer  # noqa: E402
 import benchmark_step  # noqa: E402
 from benchmark_step import CLOCK, LOG_FREQ, ON_GPU, STEADY_FROM, TRAIN_ARGS, WINDOWS  # noqa: E402
 
@@ -92,6 +94,8 @@ PARTS: dict[str, Callable[[str], dict]] = {
     "moe_all_to_all": benchmark_moe.part_moe_all_to_all,
     "context_parallel": benchmark_context_parallel.part_context_parallel,
     "attention_mask": benchmark_attention.part_attention_mask,
+    "adamw": benchmark_optimizer.part_adamw,
+    "muon": benchmark_optimizer.part_muon,
 }
 
 
@@ -160,6 +164,7 @@ def run_all(threads: int, tmp: str, only: str | None = None) -> dict:
     benchmark_context_parallel.context_parallel_rows(part, add)
     benchmark_context_parallel.cp_balance_rows(part, add)
     benchmark_attention.attention_mask_rows(part, add)
+    benchmark_optimizer.optimizer_rows(part, add)
     return {"setup": setup, "figures": figures}
 
 
@@ -169,6 +174,7 @@ ROWS = {
     "cp_balance": benchmark_context_parallel.cp_balance_rows,
     "moe": benchmark_moe.moe_rows,
     "attention_mask": benchmark_attention.attention_mask_rows,
+    "optimizer": benchmark_optimizer.optimizer_rows,
 }
 
 

@@ -6,7 +6,7 @@
 
 The model and the data come from the run's own options, as train.py reads them: the checkpoint is
 checkpoint.load_step's, else the newest in {dump_folder}/{checkpoint.folder} (weights-only exports
-included), else checkpoint.initial_load_path (e.g. a model converted by convert_hf_to_dcp.py); the
+included), else checkpoint.initial_load_path (a DCP checkpoint or a Hugging Face model folder); the
 data is the [validation] section's (validation.steps global batches of validation.batch_size per
 rank, -1: the whole split), whether or not validation.enable is set. The weights are read through the
 safe reader. Exit codes and one-line errors are train.py's.
@@ -19,8 +19,10 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from torchtitan.checkpoint.folder import latest_checkpoint_path  # noqa: E402
+from torchtitan.checkpoint.folder import is_hf_folder, latest_checkpoint_path  # noqa: E402
+from torchtitan.checkpoint.hf_reader import load_hf_weights  # noqa: E402
 from torchtitan.checkpoint.load import check_model_record, load_model_weights  # noqa: E402
+from torchtitan.checkpoint.state import merge_model_parts  # noqa: E402
 from torchtitan.config.options import JobConfig  # noqa: E402
 from torchtitan.config.paths import resolve_path  # noqa: E402
 from torchtitan.config_rules import check_layout  # noqa: E402
@@ -39,7 +41,9 @@ def evaluate(job_config: JobConfig) -> int:
     parallel_dims = check_layout(job_config, world_size, device.type)
     meshes = parallel_dims.build_meshes(device.type)
     path = latest_checkpoint_path(job_config)
-    check_model_record(path, job_config.model)
+    hf_folder = is_hf_folder(path)  # the family and shapes are checked as its weights are read
+    if not hf_folder:
+        check_model_record(path, job_config.model)
     with bad_input("model.tokenizer_path"):
         tokenizer = build_tokenizer(resolve_path(job_config.model.tokenizer_path))
     with torch.device("meta"):
@@ -50,7 +54,10 @@ def evaluate(job_config: JobConfig) -> int:
     for part in model_parts:
         part.to_empty(device=device)
         part.init_weights(seed=job_config.training.seed)  # the buffers (RoPE), which are not saved
-    load_model_weights(model_parts, path, verify=job_config.checkpoint.verify_checksums)
+    if hf_folder:
+        load_hf_weights(merge_model_parts(model_parts), path, job_config.model)
+    else:
+        load_model_weights(model_parts, path, verify=job_config.checkpoint.verify_checksums)
     train_step = TrainStep(
         model_parts, pipeline, parallel_dims, job_config.training, device, cp_mesh=meshes.cp
     )

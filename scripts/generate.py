@@ -6,8 +6,8 @@
 The model, tokenizer and checkpoint come from the run's own options (any train.py option may be
 given, e.g. --checkpoint.load_step 200): the latest complete checkpoint in
 {dump_folder}/{checkpoint.folder}, a model_weights_only export included, else
-checkpoint.initial_load_path. One process, on the GPU if there is one. The text goes to stdout,
-the checkpoint's path to stderr.
+checkpoint.initial_load_path (a DCP checkpoint or a Hugging Face model folder). One process, on the
+GPU if there is one. The text goes to stdout, the checkpoint's path to stderr.
 """
 
 import argparse
@@ -20,7 +20,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from torchtitan.checkpoint.folder import latest_checkpoint_path  # noqa: E402
+from torchtitan.checkpoint.folder import is_hf_folder, latest_checkpoint_path  # noqa: E402
+from torchtitan.checkpoint.hf_reader import load_hf_weights  # noqa: E402
 from torchtitan.checkpoint.load import check_model_record  # noqa: E402
 from torchtitan.checkpoint.safe_reader import SafeLoadPlanner, SafeReader, saved_entries  # noqa: E402
 from torchtitan.config.options import ConfigError, JobConfig  # noqa: E402
@@ -53,13 +54,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_model(job_config: JobConfig, tokenizer: AnyTokenizer, device: torch.device) -> torch.nn.Module:
     """The model as train.py builds it (the vocabulary padded to model.vocab_size, the context of
-    training.seq_len), with the checkpoint's weights."""
+    training.seq_len), with the checkpoint's weights (or a Hugging Face folder's)."""
     model_args = build_model_args(job_config, tokenizer.n_words, tokenizer.eos_id, tokenizer.bos_id)
     path = latest_checkpoint_path(job_config)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    check_model_record(path, job_config.model)
+    if not is_hf_folder(path):  # a folder's family and shapes are checked as its weights are read
+        check_model_record(path, job_config.model)
     with torch.device(device):
         model = model_spec(job_config.model).build(model_args)  # random weights, then replaced
+    if is_hf_folder(path):
+        load_hf_weights(model, path, job_config.model)
+    else:
+        load_checkpoint_weights(model, path)
+    print(f"Loaded {job_config.model.name} {job_config.model.flavor} from {path}", file=sys.stderr)
+    return model.eval()
+
+
+def load_checkpoint_weights(model: torch.nn.Module, path: str) -> None:
+    """In place, converting an export's dtype; the safe reader runs no code from the checkpoint's files."""
     state = {"model": model.state_dict()}
     saved = saved_entries(path)
     for key, tensor in state["model"].items():
@@ -69,10 +81,7 @@ def load_model(job_config: JobConfig, tokenizer: AnyTokenizer, device: torch.dev
                 f"checkpoint: {path} does not hold {key} of shape {tuple(tensor.shape)}; was it saved with "
                 "another model.flavor or model.tokenizer_path?"
             )
-    # In place, converting an export's dtype; the safe reader runs no code from the checkpoint's files.
     dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner())
-    print(f"Loaded {job_config.model.name} {job_config.model.flavor} from {path}", file=sys.stderr)
-    return model.eval()
 
 
 @torch.no_grad()

@@ -156,6 +156,9 @@ BLOCK_CAUSAL = (
     "--training.dataset_path",
     "tests/assets/verses.jsonl",
 )
+# Muon for the blocks' matrices (docs/optimizers.md), its Newton-Schulz in fp32 (exact, and fast on CPUs).
+MUON = ("--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32")
+QWEN3_MOE_MUON = (*QWEN3_MOE_BOTH, *MUON)
 LLAMA_BLOCK = (*LONG, *BLOCK_CAUSAL)
 QWEN3_BLOCK = (*QWEN3_LONG, *BLOCK_CAUSAL)
 QWEN3_CP_CI_BLOCK = (*QWEN3_CP_CI, *BLOCK_CAUSAL)
@@ -295,6 +298,15 @@ MATRIX = [
     Layout("Qwen3 untied, 512 tokens, block_causal: PP 2 x CP 2, 1F1B", 4, 4, 4, pp(2) + cp(2), QWEN3_BLOCK),
     Layout("Qwen3-MoE, block_causal: EP 2", 2, 2, 4, ep(2), QWEN3_MOE_BLOCK),
     Layout("Qwen3-MoE, block_causal: PP 2, 1F1B", 2, 4, 4, pp(2), QWEN3_MOE_BLOCK, reference_microbatch=2),
+    # Muon: each rank gathers the matrices it holds a shard or slice of (docs/optimizers.md).
+    Layout("Muon: FSDP 2", 2, 2, 4, model=MUON),
+    Layout("Muon: TP 2", 2, 4, 4, tp(2), MUON),
+    Layout("Muon: FSDP 2 x TP 2 + GA 2", 4, 1, 4, tp(2), MUON),
+    Layout("Muon: HSDP 2x2", 4, 1, 4, replicate(2), MUON),
+    Layout("Muon: PP 2, 1F1B", 2, 4, 4, pp(2), MUON),
+    Layout("Muon: GA 2 x batch 2 (1 process)", 1, 2, 4, model=MUON),
+    Layout("Qwen3-MoE Muon: EP 2", 2, 2, 4, ep(2), QWEN3_MOE_MUON),
+    Layout("Qwen3-MoE Muon: EP 2 on FSDP 4", 4, 1, 4, ep(2), QWEN3_MOE_MUON),
 ]
 
 

@@ -331,6 +331,13 @@ CASES = [
     Case("float for int", toml("[training]\nseq_len = 64.5\n"), "training.seq_len: expected int"),
     Case("out of range", toml("[optimizer]\nlr = -1.0\n"), "optimizer.lr: -1.0 is below the minimum 0.0"),
     Case("not a choice", toml("[model]\nname = 'gpt2'\n"), "model.name: 'gpt2' is not one of llama2, llama3"),
+    Case("unknown optimizer", toml("[optimizer]\nname = 'SGD'\n"), "optimizer.name: 'SGD' is not one of"),
+    Case(
+        "Muon momentum of 1",
+        toml("[optimizer]\nname = 'Muon'\nmuon_momentum = 1.0\n"),
+        "optimizer.muon_momentum: 1.0 does not forget old gradients; set it below 1",
+    ),
+    Case("no Newton-Schulz step", toml("[optimizer]\nmuon_ns_steps = 0\n"), "muon_ns_steps: 0 is below"),
     Case(
         "list item", toml("[checkpoint]\nexclude_from_loading = ['optimiser']\n"), "'optimiser' is not one of"
     ),

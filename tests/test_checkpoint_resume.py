@@ -3,19 +3,16 @@ never stopped, on the same layout (bit for bit) and on another one (within 1e-5)
 
 import shutil
 
-import pytest
 from launch import losses, run_train
 
-from scripts.parity_matrix import BLOCK_CAUSAL
+from scripts.parity_matrix import BLOCK_CAUSAL, MUON
 
 STEPS = ["--training.steps", "8", "--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "4"]
 
-# name: (processes, per-rank batch size, overrides); the global batch is 4 in every layout.
-LAYOUTS = {
-    "single": (1, 4, []),
-    # With packed documents attending within themselves (block_causal).
-    "tp2": (2, 4, ["--parallelism.tensor_parallel_degree", "2", *BLOCK_CAUSAL]),
-}
+# TP 2 on packed documents attending within themselves (block_causal), global batch 4. Bitwise resume
+# on FSDP 2: test_reliability.py; one process resuming another layout's checkpoint: test_moe_resume.py,
+# test_pipeline.py, test_context_parallel.py.
+TP2 = (2, 4, ["--parallelism.tensor_parallel_degree", "2", *BLOCK_CAUSAL])
 # HSDP 2 x 2 resumes bit for bit in test_resume_on_other_layouts (whose checkpoint it writes); pipeline
 # parallelism in test_pipeline.py (ZBV, two model parts on a rank); CP 2 from an async checkpoint
 # (and its checksum manifests) in test_qwen3_resume.py.
@@ -45,42 +42,40 @@ def straight_run(dump_folder, nproc, batch, *overrides):
     return straight
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_resume_is_bitwise(tmp_path, layout):
-    nproc, batch, overrides = LAYOUTS[layout]
+def test_resume_is_bitwise(tmp_path):
+    nproc, batch, overrides = TP2
     straight = straight_run(tmp_path / "straight", nproc, batch, *overrides)
 
+    # A save cut short, a copy without metadata and a half-deleted checkpoint are passed over.
     resumed_folder = tmp_path / "resumed"
-    if layout == "single":
-        # A save cut short, a copy without metadata and a half-deleted checkpoint are passed over.
-        ckpt = resumed_folder / "checkpoint"
-        shutil.copytree(tmp_path / "straight" / "checkpoint" / "step-8", ckpt / "step-6.tmp")
-        shutil.copytree(tmp_path / "straight" / "checkpoint" / "step-8", ckpt / "step-7")
-        (ckpt / "step-7" / ".metadata").unlink()
-        shutil.copytree(tmp_path / "straight" / "checkpoint" / "step-8", ckpt / "step-5.purging")
+    ckpt = resumed_folder / "checkpoint"
+    shutil.copytree(tmp_path / "straight" / "checkpoint" / "step-8", ckpt / "step-6.tmp")
+    shutil.copytree(tmp_path / "straight" / "checkpoint" / "step-8", ckpt / "step-7")
+    (ckpt / "step-7" / ".metadata").unlink()
+    shutil.copytree(tmp_path / "straight" / "checkpoint" / "step-8", ckpt / "step-5.purging")
     resumed = resume_from_step_4(tmp_path / "straight", resumed_folder, nproc, batch, *overrides)
     for step, loss in resumed.items():
         assert loss == straight[step], (step, loss, straight[step])
-    if layout == "single":
-        left = sorted(p.name for p in (resumed_folder / "checkpoint").iterdir())
-        assert left == ["step-4", "step-7", "step-8"]
+    left = sorted(p.name for p in (resumed_folder / "checkpoint").iterdir())
+    assert left == ["step-4", "step-7", "step-8"]
 
 
 # The checkpoint is HSDP 2 x 2's, with gradient accumulation (2 micro-batches of 4 sequences: replicas
-# all-reduce after the last only). A checkpoint saved by FSDP 4 is resumed by CP 2 (FSDP over 2 ranks)
-# in test_qwen3_resume.py (checkpointing and resharding are the model families' shared code).
-GLOBAL_BATCH_8 = ["--training.global_batch_size", "8"]
-HSDP2X2 = ["--parallelism.data_parallel_replicate_degree", "2", *GLOBAL_BATCH_8]
+# all-reduce after the last only), trained with Muon (docs/optimizers.md: its momentum resharded). A
+# checkpoint saved by FSDP 4 is resumed by CP 2 (FSDP over 2 ranks) in test_qwen3_resume.py
+# (checkpointing and resharding are the model families' shared code).
+MUON_8 = ["--training.global_batch_size", "8", *MUON]
+HSDP2X2 = ["--parallelism.data_parallel_replicate_degree", "2", *MUON_8]
 RESHARD_TARGETS = {  # FSDP -> one process: test_context_parallel.py (CP 2) and test_pipeline.py
-    "tp2": (2, 4, ["--parallelism.tensor_parallel_degree", "2", *GLOBAL_BATCH_8]),
+    "tp2": (2, 4, ["--parallelism.tensor_parallel_degree", "2", *MUON_8]),
 }
 
 
 def test_resume_on_other_layouts(tmp_path):
-    """Saved by HSDP over 2 x 2 ranks (batch 1 each, 2 micro-batches a step). Resumed by HSDP 2 x 2: the
-    losses are those of the run that never stopped, bit for bit. Resumed by TP 2 (2 micro-batches of 4):
-    the optimizer state is resharded and the data stream goes on, so the losses continue them within
-    1e-5: HSDP with accumulation trains as TP (and so one process) does."""
+    """Saved by HSDP over 2 x 2 ranks (batch 1 each, 2 micro-batches a step), with Muon. Resumed by HSDP
+    2 x 2: the losses are those of the run that never stopped, bit for bit. Resumed by TP 2 (2
+    micro-batches of 4): the optimizer state is resharded and the data stream goes on, so the losses
+    continue them within 1e-5: HSDP with accumulation trains as TP (and so one process) does."""
     straight = straight_run(tmp_path / "hsdp2x2", 4, 1, *HSDP2X2)
     resumed = resume_from_step_4(tmp_path / "hsdp2x2", tmp_path / "resumed", 4, 1, *HSDP2X2)
     for step, loss in resumed.items():

@@ -75,7 +75,8 @@ def test_evaluate_a_converted_model_equals_transformers(tmp_path, capsys):
 
 
 def test_evaluate_a_converted_qwen3_equals_transformers(tmp_path, capsys):
-    """The debug Qwen3 (q/k norms, head_dim 32 != dim / n_heads, tied embeddings) through HF and back."""
+    """The debug Qwen3 (q/k norms, head_dim 32 != dim / n_heads, tied embeddings) through HF and back,
+    and from the HF folder itself."""
     tokenizer = Tokenizer(ROOT / "assets" / "tokenizer" / "kjv_bpe.tiktoken")
     qwen3_job = [*JOB, "--model.name", "qwen3", "--model.flavor", "debugmodel_tied"]
     args = build_model_args(parse_args(qwen3_job), tokenizer.n_words)
@@ -90,6 +91,9 @@ def test_evaluate_a_converted_qwen3_equals_transformers(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "(256 tokens," in out
     assert abs(printed_loss(out) - expected) < 1e-5, (out, expected)
+    # The Hugging Face folder itself as checkpoint.initial_load_path: read as train.py reads it.
+    assert load_evaluate().main([*job, "--checkpoint.initial_load_path", str(tmp_path / "hf")]) == 0
+    assert printed_loss(capsys.readouterr().out) == printed_loss(out)
 
 
 def test_evaluate_without_a_checkpoint_is_one_line(tmp_path, capsys):

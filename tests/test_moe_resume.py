@@ -1,8 +1,9 @@
-"""Qwen3-MoE resumes exactly across expert-parallel layouts, its routing biases and their history with
-it (both balancing methods on): saved by one process and resumed on EP 2 within 1e-5 of the run that
-never stopped (the biases within 1e-6); EP 2 killed with SIGKILL once an asynchronous save is complete
-and relaunched bit for bit (biases and optimizer state included); EP 2's checkpoint resumed by one
-process within 1e-5. Parity with one process on every layout: test_parity.py, scripts/parity_matrix.py."""
+"""Qwen3-MoE resumes exactly across expert-parallel layouts, its routing biases and their history with it
+(both balancing methods on, Muon's momentum for the experts each rank holds): saved by one process and
+resumed on EP 2 within 1e-5 of the run that never stopped (the biases within 1e-6); EP 2 killed with
+SIGKILL once an asynchronous save is complete and relaunched bit for bit (biases and optimizer state
+included); EP 2's checkpoint resumed by one process within 1e-5. Parity with one process on every layout:
+test_parity.py, scripts/parity_matrix.py."""
 
 import shutil
 
@@ -10,10 +11,10 @@ import torch
 from launch import read_metrics, run_train
 
 from scripts import chaos
-from scripts.parity_matrix import QWEN3_MOE, ep
+from scripts.parity_matrix import MUON, QWEN3_MOE, ep
 from torchtitan.checkpoint.load import read_model_weights
 
-MOE = [*QWEN3_MOE, "--moe.bias_update_rate", "0.01", "--validation.enable", "false"]
+MOE = [*QWEN3_MOE, "--moe.bias_update_rate", "0.01", "--validation.enable", "false", *MUON]
 STEPS = ["--training.steps", "8", "--checkpoint.enable_checkpoint", "true", *MOE]
 EP2 = [*ep(2), "--training.batch_size", "2", "--checkpoint.interval", "2"]
 ONE = ["--training.batch_size", "4", "--checkpoint.interval", "4"]

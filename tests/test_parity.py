@@ -1,13 +1,16 @@
 """Loss parity with 1 process of the composed layouts, the CI part of scripts/parity_matrix.py.
 
-Each run composes several techniques so that few launches cover them all (4-process launches and a
-cold torch.compile cost most): any one of them going wrong breaks its run's parity. HSDP with gradient
+Each run composes several techniques so that few launches cover them all (4-process launches and a cold
+torch.compile cost most): any one of them going wrong breaks its run's parity. HSDP with gradient
 accumulation (test_checkpoint_resume.py: resumed by one process and by TP within 1e-5 of itself), FSDP
 inside pipeline stages (test_pipeline.py) and Llama's TP with loss parallel and AC (Qwen3's block plan
 extends it: the CP x TP and MoE layouts below, test_pipeline.py's PP x TP) are in other runs. DDP's
-accumulation is checked in test_parallelisms.py. The script runs each technique on its own as well, and
-DDP and AC every N-th block. The references (conftest.py's reference_run) are shared with test_train.py,
-test_pipeline.py, test_chunked_loss.py and test_context_parallel.py."""
+accumulation is checked in test_parallelisms.py. Muon (its matrices gathered over FSDP's shards with
+gradient accumulation, its experts orthogonalised where EP holds them, its stages apart) joins two runs;
+HSDP and TP with Muon: test_checkpoint_resume.py, EP's resume: test_moe_resume.py. The script runs each
+technique on its own as well, and DDP and AC every N-th block. The references (conftest.py's
+reference_run) are shared with test_train.py, test_pipeline.py, test_chunked_loss.py and
+test_context_parallel.py."""
 
 import pytest
 
@@ -17,9 +20,11 @@ from scripts.parity_matrix import (
     BLOCK_CAUSAL,
     CHUNKED_LOSS,
     FSDP_KNOBS,
+    MUON,
     QWEN3_CP_CI,
     QWEN3_CP_CI_BLOCK,
     QWEN3_MOE_BOTH,
+    QWEN3_MOE_MUON,
     Layout,
     cp,
     ep,
@@ -42,12 +47,12 @@ CI_LAYOUTS = [
     # test_parallelisms.py on FSDP x TP, test_qwen3_resume.py.
     Layout("Qwen3 untied, 256 tokens, block_causal: CP 4", 4, 4, 4, cp(4), QWEN3_CP_CI_BLOCK),
     Layout(
-        "Qwen3 untied, 256 tokens: CP 2 x FSDP 2 + GA 2, reshard always, prefetch 2",
+        "Qwen3 untied, 256 tokens, Muon: CP 2 x FSDP 2 + GA 2, reshard always, prefetch 2",
         4,
         1,
         4,
         cp(2) + FSDP_KNOBS,
-        QWEN3_CP_CI,
+        (*QWEN3_CP_CI, *MUON),
     ),
     Layout(
         "Qwen3 untied, 256 tokens, block_causal: CP 2 x TP 2 + GA 2 + AC selective op + chunked loss, "
@@ -85,12 +90,12 @@ CI_LAYOUTS = [
         (*QWEN3_MOE_BOTH, *BLOCK_CAUSAL),
     ),
     Layout(
-        "Qwen3-MoE aux + bias: PP 2 x EP 2, GPipe, 1 micro-batch",
+        "Qwen3-MoE aux + bias, Muon: PP 2 x EP 2, GPipe, 1 micro-batch",
         4,
         2,
         4,
         pp(2, "GPipe") + ep(2) + ("--parallelism.pipeline_parallel_microbatches", "1"),
-        QWEN3_MOE_BOTH,
+        QWEN3_MOE_MUON,
     ),
 ]
 

@@ -240,11 +240,14 @@ def test_generate_from_a_qwen3_checkpoint(tmp_path, capsys, tok):
 
 
 def test_generate_with_a_tokenizer_without_bos(tmp_path, capsys, hf_tok):
-    """A Hugging Face tokenizer without BOS (Qwen3-style): the prompt starts after EOS, where documents
-    start in training, and greedy sampling continues it as the saved model does; an empty prompt works."""
-    hf = ["--model.tokenizer_path", str(ROOT / "assets" / "tokenizer" / "kjv_bpe_hf")]
+    """Qwen3 with a Hugging Face tokenizer without BOS (its own style): the prompt starts after EOS, where
+    documents start in training, and greedy sampling continues it as the saved model does; an empty
+    prompt works."""
+    tokenizer = str(ROOT / "assets" / "tokenizer" / "kjv_bpe_hf")
+    hf = ["--model.name", "qwen3", "--model.tokenizer_path", tokenizer]
     job = ["--job.config_file", str(ROOT / "train_configs" / "debug_model.toml"), *hf]
-    model = random_model(build_model_args(parse_args([*job, "--training.seq_len", "64"]), hf_tok.n_words))
+    args = build_model_args(parse_args([*job, "--training.seq_len", "64"]), hf_tok.n_words)
+    model = random_model(args, "qwen3")
     dcp.save({"model": model.eval().state_dict()}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     greedy = [*hf, "--temperature", "0", "--checkpoint.initial_load_path", str(tmp_path / "ckpt")]
     code, result = sample(tmp_path / "run", capsys, *greedy)
@@ -267,8 +270,8 @@ def test_generate_with_a_tokenizer_without_bos(tmp_path, capsys, hf_tok):
     # and the model's prompt after EOS, as generate.py's, gives its greedy text (docs/checkpointing.md).
     transformers = pytest.importorskip("transformers")
     convert = load_script("convert_dcp_to_hf")
-    tokenizer = str(ROOT / "assets" / "tokenizer" / "kjv_bpe_hf")
-    assert convert.main([str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--tokenizer", tokenizer]) == 0
+    to_hf = [str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--name", "qwen3", "--tokenizer", tokenizer]
+    assert convert.main(to_hf) == 0
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     for text in corpus_lines():
         assert hf_tokenizer(text)["input_ids"] == hf_tok.encode(text, bos=False, eos=False), text
@@ -276,3 +279,8 @@ def test_generate_with_a_tokenizer_without_bos(tmp_path, capsys, hf_tok):
     prompt = hf_tokenizer(hf_tokenizer.eos_token + "And God said", return_tensors="pt")
     out = hf_model.generate(**prompt, max_new_tokens=12, do_sample=False)
     assert hf_tokenizer.decode(out[0, 1:], skip_special_tokens=True) + "\n" == result_greedy.out
+    # generate.py from the exported folder (checkpoint.initial_load_path): the same text.
+    from_hf = [*hf, "--temperature", "0", "--checkpoint.initial_load_path", str(tmp_path / "hf")]
+    capsys.readouterr()  # the conversion's and transformers' output
+    code, result = sample(tmp_path / "run", capsys, *from_hf)
+    assert code == 0 and result.out == result_greedy.out, result.err

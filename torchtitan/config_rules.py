@@ -8,7 +8,13 @@ raises a ConfigError naming the first bad option and the fix."""
 import math
 import os
 
-from torchtitan.config.options import ConfigError, JobConfig, LRSchedulerConfig, TrainingConfig
+from torchtitan.config.options import (
+    ConfigError,
+    JobConfig,
+    LRSchedulerConfig,
+    OptimizerConfig,
+    TrainingConfig,
+)
 from torchtitan.config.paths import resolve_path
 from torchtitan.errors import torchao_missing
 from torchtitan.models import flavor_args, model_spec
@@ -236,6 +242,14 @@ def check_lr_schedule(lr_scheduler_config: LRSchedulerConfig, total_steps: int) 
         )
 
 
+def check_optimizer(optimizer_config: OptimizerConfig) -> None:
+    if optimizer_config.name == "Muon" and optimizer_config.muon_momentum >= 1:
+        raise ConfigError(
+            f"optimizer.muon_momentum: {optimizer_config.muon_momentum} does not forget old gradients; set "
+            "it below 1 (0.95 is Muon's usual)"
+        )
+
+
 def check_hf_export(job_config: JobConfig) -> None:
     """checkpoint.last_save_in_hf exports the last step's save: there must be one."""
     if job_config.checkpoint.last_save_in_hf and not job_config.checkpoint.enable_checkpoint:
@@ -335,6 +349,7 @@ def check_layout(
     gradient_accumulation_steps(job_config.training, parallel_dims)
     check_validation(job_config, parallel_dims)
     check_lr_schedule(job_config.lr_scheduler, job_config.training.steps)
+    check_optimizer(job_config.optimizer)
     check_hf_export(job_config)
     if device_type is not None:
         check_device(job_config, parallel_dims, device_type)

@@ -7,6 +7,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from torchtitan.config.options import LRSchedulerConfig, OptimizerConfig
+from torchtitan.muon import Muon, is_muon_parameter
 
 
 def build_optimizer(
@@ -22,8 +23,26 @@ def build_optimizer(
         "foreach": optimizer_config.implementation == "foreach",
         "fused": optimizer_config.implementation == "fused",
     }
-    optimizer_cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[optimizer_config.name]
-    return optimizer_cls([p for part in parts for p in part.parameters()], **kwargs)
+    if optimizer_config.name != "Muon":
+        optimizer_cls = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}[optimizer_config.name]
+        return optimizer_cls([p for part in parts for p in part.parameters()], **kwargs)
+    named = [(name, p) for part in parts for name, p in part.named_parameters()]
+    return Muon(
+        [p for name, p in named if is_muon_parameter(name, p)],
+        [p for name, p in named if not is_muon_parameter(name, p)],
+        muon_lr=optimizer_config.lr if optimizer_config.muon_lr is None else optimizer_config.muon_lr,
+        momentum=optimizer_config.muon_momentum,
+        nesterov=optimizer_config.muon_nesterov,
+        muon_weight_decay=(
+            optimizer_config.weight_decay
+            if optimizer_config.muon_weight_decay is None
+            else optimizer_config.muon_weight_decay
+        ),
+        scale=optimizer_config.muon_scale,
+        ns_steps=optimizer_config.muon_ns_steps,
+        ns_dtype=getattr(torch, optimizer_config.muon_ns_dtype),
+        **kwargs,
+    )
 
 
 def lr_multiplier(step: int, total_steps: int, lr_scheduler_config: LRSchedulerConfig) -> float:

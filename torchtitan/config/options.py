@@ -66,7 +66,12 @@ class ModelConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = opt("AdamW", "Optimizer", choices=("AdamW", "Adam"))
+    name: str = opt(
+        "AdamW",
+        "Optimizer; Muon: Muon for the matrices inside the blocks, AdamW (this section's options) for the "
+        "other parameters (docs/optimizers.md)",
+        choices=("AdamW", "Adam", "Muon"),
+    )
     lr: float = opt(8e-4, "Peak learning rate", min=0.0)
     beta1: float = opt(0.9, "Adam beta1", min=0.0)
     beta2: float = opt(0.95, "Adam beta2", min=0.0)
@@ -76,6 +81,31 @@ class OptimizerConfig:
         "foreach",
         "Kernel: for-loop, foreach (multi-tensor) or fused",
         choices=("for-loop", "foreach", "fused"),
+    )
+    muon_lr: float | None = opt(
+        None,
+        "Muon's peak learning rate; unset: optimizer.lr (with muon_scale match_rms_adamw, AdamW's rate "
+        "carries over)",
+        min=0.0,
+    )
+    muon_momentum: float = opt(0.95, "Muon's momentum, from 0 up to (not including) 1", min=0.0)
+    muon_nesterov: bool = opt(True, "Muon: Nesterov momentum")
+    muon_weight_decay: float | None = opt(
+        None, "Muon's decoupled weight decay; unset: optimizer.weight_decay", min=0.0
+    )
+    muon_scale: str = opt(
+        "match_rms_adamw",
+        "How Muon scales the orthogonalised update of a rows x columns matrix: match_rms_adamw "
+        "(Moonlight's 0.2 x sqrt(max(rows, columns)): the RMS of AdamW's update) or original (Keller "
+        "Jordan's sqrt(max(1, rows / columns)), torch.optim.Muon's default)",
+        choices=("match_rms_adamw", "original"),
+    )
+    muon_ns_steps: int = opt(5, "Newton-Schulz iterations per Muon update", min=1)
+    muon_ns_dtype: str = opt(
+        "bfloat16",
+        "Precision of Muon's Newton-Schulz iterations: bfloat16 (Keller Jordan's and torch.optim.Muon's; "
+        "fast on GPUs) or float32 (on CPUs, whose bfloat16 matmuls are several times slower)",
+        choices=("bfloat16", "float32"),
     )
 
 

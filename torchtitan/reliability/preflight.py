@@ -19,7 +19,13 @@ from torchtitan.config.paths import (
     resolve_path,
     shown,
 )
-from torchtitan.config_rules import check_float8, check_layout, check_lr_schedule, mixture_sources
+from torchtitan.config_rules import (
+    check_float8,
+    check_layout,
+    check_lr_schedule,
+    check_optimizer,
+    mixture_sources,
+)
 from torchtitan.datasets.registry import DATASETS
 from torchtitan.errors import EXIT_BAD_INPUT, EXIT_OK, debug_enabled
 from torchtitan.models import flavor_args
@@ -39,6 +45,7 @@ def check_job(job_config: JobConfig, world_size: int | None) -> None:
         check_dataset_path("validation.dataset_path", path, resolve_path(path))
     flavor_args(job_config.model)
     check_lr_schedule(job_config.lr_scheduler, job_config.training.steps)
+    check_optimizer(job_config.optimizer)
     parallel_dims = check_layout(job_config, world_size) if world_size is not None else None
     if job_config.float8.enable_float8_linear:
         device_type, cuda_capability = gpu_facts()
