@@ -12,6 +12,12 @@ minutes prints one table (docs/performance.md keeps the figures, with their setu
 |  | vs the per-expert loop, and the values of both vs float32 on the CPU |
 | llama8b_4layers | Llama 3 8B's width with 4 layers, 1 x 8192 tokens, compiled |
 | llama1b_block_causal | llama1b with block_causal attention (FlexAttention), as the recipe has it |
+| attention_block_causal | block_causal attention (FlexAttention, compiled block mask) vs causal SDPA: time |
+|  | and memory at 8K and 32K tokens with 8 and 64 documents; values and gradients vs the CPU path in fp32 |
+| cp_attention_cuda | context parallel's CUDA attention (SDPA lower-right per chunk; FlexAttention with |
+|  | documents) for each CP 2 rank's pieces, in one process: values and gradients vs the CPU path in fp32 |
+| cp_compiled_block_causal | CP's attention on a 1-rank mesh, compiled blocks, block_causal: vs no CP |
+| llama1b_muon | llama1b with optimizer.name Muon (bf16 Newton-Schulz) |
 | llama1b_chunked_loss | llama1b with training.loss_chunk_tokens 2048, as the recipe has it |
 | llama1b_fp8_tensorwise, llama1b_fp8_rowwise | llama1b with float8 linear layers (torchao) |
 | qwen3_moe_2layers | Qwen3-30B-A3B's width with 2 layers, 2 x 4096 tokens, compiled |
@@ -24,6 +30,7 @@ device there is, CPU included: a check of the script before a loan, not a figure
 """
 
 import argparse
+import functools
 import json
 import os
 import runpy
@@ -227,6 +234,232 @@ def part_moe_grouped_mm(out: Path, small: bool) -> dict:
     return result
 
 
+def part_llama1b_muon(out: Path, small: bool) -> dict:
+    return train_figures(out, "llama1b_muon", [*LLAMA_1B, "--optimizer.name", "Muon"], small, None)
+
+
+def _document_ids(seqlen: int, documents: int, gen: torch.Generator) -> torch.Tensor:
+    """(1, seqlen) ids of `documents` packed documents of uneven lengths (cut at random positions)."""
+    cuts = torch.randperm(seqlen - 1, generator=gen)[: documents - 1] + 1
+    starts = torch.zeros(1, seqlen, dtype=torch.long)
+    starts[0, cuts] = 1
+    return starts.cumsum(1)
+
+
+def _relative_errors(outputs: list[torch.Tensor], references: list[torch.Tensor]) -> list[float]:
+    return [float((o.float().cpu() - r).abs().max() / r.abs().max()) for o, r in zip(outputs, references)]
+
+
+def block_causal_on(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """train.py's block_causal attention, its mask built from `ids` (once per forward in training)."""
+    from torchtitan.models.documents import Documents, block_causal_attention
+
+    return block_causal_attention(q, k, v, Documents(ids))
+
+
+def _attention_and_grads(fn, q, k, v, ids, grad, dtype, device) -> list[torch.Tensor]:  # noqa: ANN001
+    """fn's output and the gradients of q, k and v, on a copy of the inputs in `dtype` on `device`."""
+    inputs = [t.to(device, dtype, copy=True).requires_grad_() for t in (q, k, v)]
+    output = fn(*inputs, ids.to(device))
+    output.backward(grad.to(device, dtype))
+    return [output.detach(), *(t.grad for t in inputs)]
+
+
+def part_attention_block_causal(out: Path, small: bool) -> dict:
+    """block_causal attention as train.py runs it (FlexAttention with a compiled block mask on CUDA)
+    against causal SDPA (flash), bf16, 32 heads of 64 (the 1B recipe's, kv heads repeated), forward +
+    backward with the mask built in each (as once per forward in training): time and peak memory at 8K
+    and 32K tokens with 8 and 64 documents of uneven lengths; and at 8K (8 heads) the values and
+    gradients of FlexAttention and of the CPU path's SDPA per document segment run on the GPU, both in
+    bf16, and FlexAttention in fp32, each against the CPU path in fp32."""
+    import torch.nn.functional as F
+
+    from torchtitan.models.documents import _segment_attention
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    heads, head_dim = (4, 16) if small else (32, 64)
+    lengths, iters = ((512,), 1) if small else ((8192, 32768), 10)
+    gen = torch.Generator().manual_seed(0)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+
+    def timed(fn, q, k, v, grad) -> tuple[float, float]:
+        """(ms per forward + backward, peak MiB above what was allocated before)."""
+        for _ in range(2):
+            fn(q, k, v).backward(grad)
+        sync()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn(q, k, v).backward(grad)
+        sync()
+        ms = 1000 * (time.perf_counter() - start) / iters
+        peak = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else 0
+        return round(ms, 2), round(peak / 2**20, 1)
+
+    def causal(q, k, v):  # noqa: ANN001, ANN202
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+    result = {"device": str(device), "heads": heads, "head_dim": head_dim, "dtype": "bfloat16"}
+    for seqlen in lengths:
+        shape = (1, heads, seqlen, head_dim)
+        q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
+        grad = torch.randn(1, seqlen, heads, head_dim, device=device, dtype=torch.bfloat16)
+        row = {"causal_sdpa": timed(causal, q, k, v, grad)}
+        for documents in (8, 64):
+            ids = _document_ids(seqlen, documents, gen).to(device)
+            row[f"block_causal_{documents}docs"] = timed(
+                functools.partial(block_causal_on, ids=ids), q, k, v, grad
+            )
+        result[f"{seqlen}_tokens_ms_mib"] = row
+        del q, k, v, grad
+
+    seqlen, heads = (512, 4) if small else (8192, 8)
+    for documents in (1, 8, 64):
+        ids = _document_ids(seqlen, documents, gen)
+        q, k, v = (torch.randn(1, heads, seqlen, head_dim, generator=gen) for _ in "qkv")
+        grad = torch.randn(1, seqlen, heads, head_dim, generator=gen)
+
+        cpu = torch.device("cpu")
+        reference = _attention_and_grads(_segment_attention, q, k, v, ids, grad, torch.float32, cpu)
+        errors = {
+            name: _relative_errors(_attention_and_grads(fn, q, k, v, ids, grad, dtype, device), reference)
+            for name, fn, dtype in [
+                ("flex_bf16", block_causal_on, torch.bfloat16),
+                ("segments_bf16", _segment_attention, torch.bfloat16),
+                ("flex_fp32", block_causal_on, torch.float32),
+            ]
+        }
+        result[f"errors_out_dq_dk_dv_{documents}docs"] = {
+            name: [f"{e:.2e}" for e in values] for name, values in errors.items()
+        }
+    return result
+
+
+def part_cp_attention_cuda(out: Path, small: bool) -> dict:
+    """Context parallel's attention on the GPU (causal: SDPA with a lower-right causal bias per chunk;
+    block_causal: FlexAttention with the documents' block mask at the rank's positions), for each
+    rank of CP 2 in turn, in one process (the all-gather is the same on any device): the rank's
+    outputs and the gradients of q, k and v against the whole sequence's attention on the CPU in fp32
+    (one process), in fp32 and bf16. 8192 tokens, 8 heads of 64, 8 documents of uneven lengths."""
+    import torch.nn.functional as F
+
+    from torchtitan.models.documents import Documents, _segment_attention
+    from torchtitan.parallelisms.context_parallel import (
+        chunked_causal_attention,
+        chunked_document_attention,
+        rows_positions,
+        sequence_layouts,
+    )
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    seqlen, heads, head_dim, cp_degree = (1024, 4, 16, 2) if small else (8192, 8, 64, 2)
+    gen = torch.Generator().manual_seed(0)
+    ids = _document_ids(seqlen, 8, gen)
+    q, k, v = (torch.randn(1, heads, seqlen, head_dim, generator=gen) for _ in "qkv")
+    grad = torch.randn(1, seqlen, heads, head_dim, generator=gen)
+    result = {"device": str(device), "seqlen": seqlen, "heads": heads, "cp_degree": cp_degree}
+    for mask in ("causal", "block_causal"):
+        layouts = sequence_layouts(seqlen, cp_degree, ids if mask == "block_causal" else None)
+        for rank in range(cp_degree):
+            positions = rows_positions(layouts, rank)[0]
+            rows_ends = [[(p + 1) * piece for p in held[rank]] for piece, held in layouts]
+            rank_grad = torch.zeros_like(grad)
+            rank_grad[:, positions] = grad[:, positions]
+            inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+            whole = (
+                F.scaled_dot_product_attention(*inputs, is_causal=True).transpose(1, 2)
+                if mask == "causal"
+                else _segment_attention(*inputs, ids)
+            )
+            whole.backward(rank_grad)
+            reference = [
+                whole.detach()[:, positions],
+                inputs[0].grad[:, :, positions],
+                inputs[1].grad,
+                inputs[2].grad,
+            ]
+            for dtype in (torch.float32, torch.bfloat16):
+                inputs = [t.to(device, dtype, copy=True) for t in (q, k, v)]
+                inputs[0] = inputs[0][:, :, positions]
+                for t in inputs:
+                    t.requires_grad_()
+                if mask == "causal":
+                    output = chunked_causal_attention(*inputs, rows_ends[0])
+                else:
+                    output = chunked_document_attention(*inputs, rows_ends, Documents(ids.to(device)))
+                output.backward(grad[:, positions].to(device, dtype))
+                errors = _relative_errors([output.detach(), *(t.grad for t in inputs)], reference)
+                name = f"{mask}_rank{rank}_{str(dtype).split('.')[1]}_out_dq_dk_dv"
+                result[name] = [f"{e:.2e}" for e in errors]
+    return result
+
+
+def part_cp_compiled_block_causal(out: Path, small: bool) -> dict:
+    """The 128K recipe's combination on one GPU: context parallel's attention modules (a 1-rank cp mesh,
+    the sequence dealt by the documents' work as on more ranks), blocks compiled whole (fullgraph),
+    block_causal, fp32: the loss and every gradient against the same model without CP, and dynamo's
+    graphs (the documents' layout and block mask are made before the blocks)."""
+    import copy
+
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan.models.documents import find_documents
+    from torchtitan.models.llama import ModelArgs
+    from torchtitan.models.llama.model import Transformer
+    from torchtitan.parallelisms.context_parallel import apply_cp
+
+    if not hasattr(funcol, "all_gather_single"):  # torch < 2.12 (the device machine's 2.11) names it so
+        funcol.all_gather_single = funcol.all_gather_tensor_autograd
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT="29517")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+    mesh = init_device_mesh(device.type, (1,), mesh_dim_names=("cp",))
+    seqlen = 1024 if small else 8192
+    args = ModelArgs(
+        dim=256, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=1024, max_seq_len=seqlen,
+        attn_mask_type="block_causal", eos_id=1,
+    )  # fmt: skip
+    with torch.device("meta"):
+        reference = Transformer(args)
+    reference.to_empty(device=device)
+    reference.init_weights()
+    cp_model = copy.deepcopy(reference)
+    apply_cp(cp_model, mesh["cp"])
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(2, args.vocab_size, (2, seqlen + 1), generator=gen)
+    tokens[:, torch.randperm(seqlen, generator=gen)[:7]] = 1  # 8 documents per row, uneven
+    tokens = tokens.to(device)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    if device.type == "cuda":
+        for model in (reference, cp_model):
+            for layer_id, block in model.layers.items():
+                model.layers.register_module(layer_id, torch.compile(block, fullgraph=True))
+    losses = []
+    for model, kwargs in ((reference, {}), (cp_model, {"document_ids": find_documents(inputs, 1, None)})):
+        for _ in range(2):  # the second step runs the compiled code
+            model.zero_grad()
+            logits = model(inputs, **kwargs)
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            loss.backward()
+        losses.append(loss.item())
+    gradient_error = max(
+        float((a.grad - b.grad).abs().max() / b.grad.abs().max())
+        for a, b in zip(cp_model.parameters(), reference.parameters())
+    )
+    counters = torch._dynamo.utils.counters
+    dist.destroy_process_group()
+    return {
+        "device": str(device), "seqlen": seqlen, "loss_cp_vs_reference": losses[::-1],
+        "max_gradient_error": f"{gradient_error:.2e}", "unique_graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+    }  # fmt: skip
+
+
 def part_host_syncs(out: Path, small: bool) -> dict:
     """CUDA's sync debug mode over the Qwen3-MoE debug recipe, eager, bf16, 6 steps logging at 1, 3
     and 6: the host-device syncs counted between one step's update and the next one's, from step 1
@@ -283,12 +516,16 @@ PARTS = {  # name: (function, estimated seconds on an H100), in priority order
     "torchtitan_1b": (part_torchtitan_1b, 100),
     "moe_grouped_mm": (part_moe_grouped_mm, 30),
     "llama1b_block_causal": (part_llama1b_block_causal, 60),
+    "attention_block_causal": (part_attention_block_causal, 60),
+    "cp_attention_cuda": (part_cp_attention_cuda, 30),
+    "cp_compiled_block_causal": (part_cp_compiled_block_causal, 40),
+    "llama1b_muon": (part_llama1b_muon, 75),
+    "host_syncs": (part_host_syncs, 30),
     "llama8b_4layers": (part_llama8b_4layers, 70),
     "llama1b_chunked_loss": (part_llama1b_chunked_loss, 50),
     "llama1b_fp8_tensorwise": (part_llama1b_fp8_tensorwise, 70),
     "llama1b_fp8_rowwise": (part_llama1b_fp8_rowwise, 70),
     "qwen3_moe_2layers": (part_qwen3_moe_2layers, 70),
-    "host_syncs": (part_host_syncs, 30),
 }
 
 

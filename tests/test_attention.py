@@ -140,6 +140,29 @@ def test_flex_attention_mask_is_the_cpu_path():
     torch.testing.assert_close(flex, expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["llama3", "qwen3_moe"])
+def test_blocks_compile_whole_with_the_flex_attention_path(name, monkeypatch):
+    """The CUDA path in compiled blocks (fullgraph): the model's forward makes FlexAttention's block
+    mask before its blocks; made inside the first block, it broke the block's graph (found on an H100:
+    the Llama 3 GPU recipes failed at their first step). Forward on the CPU, the path forced (no CPU
+    backward); dynamo only (aot_eager), against the uncompiled model."""
+    from torchtitan.models import documents
+
+    monkeypatch.setattr(documents, "uses_flex_attention", lambda device: True)
+    window, _ = _windows()
+    model = _model(name)
+    masks_made = []
+    model.layers["0"].register_forward_pre_hook(lambda _, args: masks_made.append(list(args[2].cache)))
+    with torch.no_grad():
+        eager = model(window)
+    assert masks_made == [[("block mask", "all")]]
+    with torch.no_grad():
+        for layer_id, block in model.layers.items():
+            model.layers.register_module(layer_id, torch.compile(block, fullgraph=True, backend="aot_eager"))
+        compiled = model(window)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["llama3", "qwen3", "qwen3_moe"])
 def test_packed_documents_equal_transformers_on_each_document(name, tmp_path):
     """Our packed block_causal logits, exported as a Hugging Face folder: transformers' model run on

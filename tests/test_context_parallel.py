@@ -7,6 +7,7 @@ test_parity.py; a checkpoint of FSDP resumed by CP 2: test_qwen3_resume.py; ever
 scripts/parity_matrix.py."""
 
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -161,6 +162,51 @@ def test_the_cuda_bias_is_that_mask_and_is_made_under_selective_checkpointing():
         bias = lower_right_bias(4, 12)
     expected = torch.ones(4, 12, dtype=torch.bool).tril(8)
     assert torch.equal(bias._materialize(torch.device("cpu")), expected)
+
+
+def test_cp_blocks_compile_whole_with_the_flex_attention_path(monkeypatch):
+    """The 128K recipe's combination (CP, block_causal, compiled blocks) on its CUDA path: the rank's
+    layout and block mask are made before the blocks, which then compile whole (fullgraph) and equal
+    the model without CP. One rank (gloo), forward on the CPU, the path forced (no CPU backward),
+    dynamo only (aot_eager)."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtitan.models import documents
+    from torchtitan.models.llama import ModelArgs
+    from torchtitan.models.llama.model import Transformer
+    from torchtitan.parallelisms import context_parallel
+    from torchtitan.parallelisms.context_parallel import apply_cp
+
+    for module in (documents, context_parallel):
+        monkeypatch.setattr(module, "uses_flex_attention", lambda device: True)
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=1024)
+    reference = Transformer(replace(args, attn_mask_type="block_causal", eos_id=2))
+    reference.init_weights(0)
+    tokens = torch.randint(3, 64, (2, 1024), generator=torch.Generator().manual_seed(0))
+    tokens[:, [100, 130, 600]], tokens[1, 900] = 2, 2
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = copy.deepcopy(reference)
+        apply_cp(model, init_device_mesh("cpu", (1,), mesh_dim_names=("cp",))["cp"])
+        made = []
+        model.layers["0"].register_forward_pre_hook(
+            lambda _, args: made.append(sorted(map(str, args[2].cache)))
+        )
+        document_ids = documents.find_documents(tokens, 2, None)
+        with torch.no_grad():
+            eager = model(tokens, document_ids=document_ids)
+            assert made == [["('block mask', 'cp')", "('cp layouts', 1)"]]
+            for layer_id, block in model.layers.items():
+                model.layers.register_module(
+                    layer_id, torch.compile(block, fullgraph=True, backend="aot_eager")
+                )
+            torch.testing.assert_close(model(tokens, document_ids=document_ids), eager, rtol=0, atol=1e-6)
+            torch.testing.assert_close(eager, reference(tokens), rtol=0, atol=1e-5)
+    finally:
+        dist.destroy_process_group()
 
 
 CHECKPOINTS = ("--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "2")

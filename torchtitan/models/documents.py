@@ -27,6 +27,15 @@ def _compiled_flex_attention() -> Any:
     return torch.compile(flex_attention)
 
 
+@functools.cache
+def _compiled_create_block_mask() -> Any:
+    """create_block_mask compiled, so that the mask is made block by block, never as a seqlen x seqlen
+    tensor."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
+
+
 def find_documents(tokens: torch.Tensor, eos_id: int, bos_id: int | None) -> torch.Tensor:
     """(bs, seqlen) int64: each token's document, counted from 0 in each row. A document ends with its
     EOS (the next token starts the next one), and a BOS starts one."""
@@ -62,6 +71,19 @@ class Documents:
         return self.cache["block mask", key]
 
 
+def uses_flex_attention(device: torch.device) -> bool:
+    """FlexAttention on CUDA; on the CPU (no FlexAttention backward) attention per document segment."""
+    return device.type == "cuda"
+
+
+def prepare_block_mask(documents: Documents) -> None:
+    """FlexAttention's block mask of the whole sequences, made when the model's forward finds its
+    documents: made inside a compiled block it broke the block's graph (it compiles on its own), and
+    every layer reuses it."""
+    if uses_flex_attention(documents.ids.device):
+        documents.block_mask()
+
+
 def block_causal_mask(ids: torch.Tensor, query_positions: torch.Tensor | None = None) -> Any:
     """FlexAttention's mask (a BlockMask): the query at position p sees key k of the same row when both
     are in one document and k <= p; blocks of 128 x 128 with no such pair are skipped. The queries are
@@ -77,12 +99,9 @@ def block_causal_mask(ids: torch.Tensor, query_positions: torch.Tensor | None = 
         p = positions[b, q]
         return (ids[b, p] == ids[b, k]) & (k <= p)
 
-    # Compiled, the mask is made block by block, never as a seqlen x seqlen tensor (CUDA; on the CPU,
-    # where only the tests make it, eagerly).
-    compiled = ids.device.type == "cuda"
-    return create_block_mask(
-        same_document_causal, bs, None, positions.shape[1], seqlen, device=ids.device, _compile=compiled
-    )
+    # On the CPU, where only the tests make it, eagerly.
+    make = _compiled_create_block_mask() if ids.is_cuda else create_block_mask
+    return make(same_document_causal, bs, None, positions.shape[1], seqlen, device=ids.device)
 
 
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) -> torch.Tensor:
@@ -91,7 +110,11 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask
     if torch.is_autocast_enabled(q.device.type):
         dtype = torch.get_autocast_dtype(q.device.type)
         q, k, v = (t.to(dtype) for t in (q, k, v))
-    return _compiled_flex_attention()(q, k, v, block_mask=block_mask).transpose(1, 2)
+    if torch.compiler.is_compiling():  # in a compiled block: part of its graph
+        from torch.nn.attention.flex_attention import flex_attention as attend
+    else:
+        attend = _compiled_flex_attention()
+    return attend(q, k, v, block_mask=block_mask).transpose(1, 2)
 
 
 def block_causal_attention(
@@ -99,7 +122,7 @@ def block_causal_attention(
 ) -> torch.Tensor:
     """Attention of (bs, heads, seqlen, head_dim) queries, keys and values (kv heads already repeated)
     within each document, causal; returns (bs, seqlen, heads, head_dim)."""
-    if q.device.type == "cuda":
+    if uses_flex_attention(q.device):
         return flex_attention(q, k, v, documents.block_mask())
     return _segment_attention(q, k, v, documents.ids)
 

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
-from torchtitan.models.documents import Documents, document_positions, flex_attention
+from torchtitan.models.documents import Documents, document_positions, flex_attention, uses_flex_attention
 from torchtitan.models.llama.model import repeat_kv
 
 # block_causal: each of the 2 x CP chunks is cut into up to this many pieces for dealing out (measured:
@@ -189,7 +189,7 @@ def chunked_document_attention(
     the documents' block mask for the rank's query positions."""
     q, k, v = _in_autocast_dtype(q, k, v)
     piece = q.shape[2] // len(rows_ends[0])
-    if q.device.type == "cpu":
+    if not uses_flex_attention(q.device):
         return _document_chunked_attention(q, k, v, rows_ends, documents.ids)
     positions = torch.stack(
         [torch.cat([torch.arange(end - piece, end, device=q.device) for end in ends]) for ends in rows_ends]
@@ -326,6 +326,14 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
         rows = torch.arange(freqs_cis.shape[0], device=freqs_cis.device)[:, None]
         return (x, freqs_cis[rows, positions]), kwargs
 
+    def prepare_documents(documents: Documents) -> None:
+        """The sequences' split over the ranks and, on CUDA, the block mask of the rank's queries, made
+        before the blocks (the split is read on the host, the mask compiles on its own)."""
+        layouts = cached_layouts(documents, documents.ids.shape[1], cp_degree)
+        if uses_flex_attention(documents.ids.device):
+            documents.block_mask(rows_positions(layouts, cp_rank, documents.ids.device), key="cp")
+
+    model.prepare_documents = prepare_documents
     for block in model.layers.values():
         block.attention.sdpa = ContextParallelAttention(cp_mesh)
         block.attention.register_forward_pre_hook(rotate_by_true_positions, with_kwargs=True)

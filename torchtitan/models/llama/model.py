@@ -11,7 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtitan.models.documents import Documents, block_causal_attention, document_positions, find_documents
+from torchtitan.models.documents import (
+    Documents,
+    block_causal_attention,
+    document_positions,
+    find_documents,
+    prepare_block_mask,
+)
 from torchtitan.models.init import normal_, ones_, seeded_init, trunc_normal_
 from torchtitan.models.llama import ModelArgs
 
@@ -221,6 +227,9 @@ class Transformer(nn.Module):
         self.output = nn.Linear(model_args.dim, model_args.vocab_size, bias=False)
         if model_args.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # What block_causal attention derives from the documents, made before the blocks (outside
+        # compiled code); context parallelism replaces it (parallelisms/context_parallel.py).
+        self.prepare_documents = prepare_block_mask
 
     def _apply(self, fn, recurse: bool = True) -> "Transformer":
         """Conversions (`to_empty`, `to`) replace each module's parameters one by one, which would
@@ -306,6 +315,7 @@ class Transformer(nn.Module):
             if document_ids is None:
                 document_ids = find_documents(tokens, self.model_args.eos_id, self.model_args.bos_id)
             documents = Documents(document_ids)
+            self.prepare_documents(documents)
             freqs_cis = self.freqs_cis[document_positions(document_ids)]
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
