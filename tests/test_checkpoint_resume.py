@@ -22,15 +22,15 @@ def check(result):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
-def resume_from_step_4(source, dump_folder, nproc, batch, *overrides):
-    """Start a run in `dump_folder` holding only `source`'s step-4 checkpoint; its losses."""
-    shutil.copytree(source / "checkpoint" / "step-4", dump_folder / "checkpoint" / "step-4")
+def resume_from_step_4(source, dump_folder, nproc, batch, *overrides, step=4):
+    """Start a run in `dump_folder` holding only `source`'s checkpoint of `step`; its losses."""
+    shutil.copytree(source / "checkpoint" / f"step-{step}", dump_folder / "checkpoint" / f"step-{step}")
     result = run_train(nproc, dump_folder, *STEPS, "--training.batch_size", str(batch), *overrides)
     check(result)
     assert "Loading model, optimizer, lr_scheduler, dataloader, train_state" in result.stdout
-    assert "Resumed from step 4" in result.stdout
+    assert f"Resumed from step {step}" in result.stdout
     resumed = losses(dump_folder)
-    assert sorted(resumed) == [5, 6, 7, 8]
+    assert sorted(resumed) == list(range(step + 1, 9))
     return resumed
 
 
@@ -66,21 +66,23 @@ def test_resume_is_bitwise(tmp_path):
 # (checkpointing and resharding are the model families' shared code).
 MUON_8 = ["--training.global_batch_size", "8", *MUON]
 HSDP2X2 = ["--parallelism.data_parallel_replicate_degree", "2", *MUON_8]
-RESHARD_TARGETS = {  # FSDP -> one process: test_context_parallel.py (CP 2) and test_pipeline.py
-    "tp2": (2, 4, ["--parallelism.tensor_parallel_degree", "2", *MUON_8]),
-}
+# FSDP -> one process: test_context_parallel.py (CP 2), test_pipeline.py, test_moe_resume.py (with Muon).
+TP2_MUON = ["--parallelism.tensor_parallel_degree", "2", *MUON_8, "--checkpoint.interval", "2"]
 
 
 def test_resume_on_other_layouts(tmp_path):
     """Saved by HSDP over 2 x 2 ranks (batch 1 each, 2 micro-batches a step), with Muon. Resumed by HSDP
     2 x 2: the losses are those of the run that never stopped, bit for bit. Resumed by TP 2 (2
-    micro-batches of 4): the optimizer state is resharded and the data stream goes on, so the losses
-    continue them within 1e-5: HSDP with accumulation trains as TP (and so one process) does."""
+    micro-batches of 4), and TP 2's checkpoint of step 6 by FSDP 2 (2 micro-batches of 2 per rank): the
+    optimizer state (Muon's momentum, AdamW's moments) is resharded each time and the data stream goes
+    on, so the losses continue them within 1e-5: HSDP with accumulation trains as TP and FSDP (and so
+    one process) do."""
     straight = straight_run(tmp_path / "hsdp2x2", 4, 1, *HSDP2X2)
     resumed = resume_from_step_4(tmp_path / "hsdp2x2", tmp_path / "resumed", 4, 1, *HSDP2X2)
     for step, loss in resumed.items():
         assert loss == straight[step], (step, loss, straight[step])
-    for name, (nproc, batch, overrides) in RESHARD_TARGETS.items():
-        resumed = resume_from_step_4(tmp_path / "hsdp2x2", tmp_path / name, nproc, batch, *overrides)
+    on_tp2 = resume_from_step_4(tmp_path / "hsdp2x2", tmp_path / "tp2", 2, 4, *TP2_MUON)
+    on_fsdp2 = resume_from_step_4(tmp_path / "tp2", tmp_path / "fsdp2", 2, 2, *MUON_8, step=6)
+    for name, resumed in (("tp2", on_tp2), ("fsdp2", on_fsdp2)):
         for step, loss in resumed.items():
             assert abs(loss - straight[step]) < 1e-5, (name, step, loss, straight[step])
