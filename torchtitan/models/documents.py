@@ -104,12 +104,19 @@ def block_causal_mask(ids: torch.Tensor, query_positions: torch.Tensor | None = 
     return make(same_document_causal, bs, None, positions.shape[1], seqlen, device=ids.device)
 
 
+def in_autocast_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under autocast, attention runs in autocast's dtype, as SDPA would (Qwen3's fp32 q/k norms make q
+    and k fp32 while v is bf16)."""
+    if torch.is_autocast_enabled(tensors[0].device.type):
+        dtype = torch.get_autocast_dtype(tensors[0].device.type)
+        return tuple(t.to(dtype) for t in tensors)
+    return tensors
+
+
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) -> torch.Tensor:
-    """Compiled FlexAttention in autocast's dtype, as SDPA would run (Qwen3's fp32 q/k norms make q and
-    k fp32 while v is bf16); (bs, heads, seqlen, head_dim) in, (bs, seqlen, heads, head_dim) out."""
-    if torch.is_autocast_enabled(q.device.type):
-        dtype = torch.get_autocast_dtype(q.device.type)
-        q, k, v = (t.to(dtype) for t in (q, k, v))
+    """Compiled FlexAttention in autocast's dtype; (bs, heads, seqlen, head_dim) in, (bs, seqlen, heads,
+    head_dim) out."""
+    q, k, v = in_autocast_dtype(q, k, v)
     if torch.compiler.is_compiling():  # in a compiled block: part of its graph
         from torch.nn.attention.flex_attention import flex_attention as attend
     else:

@@ -23,7 +23,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
-from torchtitan.models.documents import Documents, document_positions, flex_attention, uses_flex_attention
+from torchtitan.models.documents import (
+    Documents,
+    document_positions,
+    flex_attention,
+    in_autocast_dtype,
+    uses_flex_attention,
+)
 from torchtitan.models.llama.model import repeat_kv
 
 # block_causal: each of the 2 x CP chunks is cut into up to this many pieces for dealing out (measured:
@@ -142,15 +148,6 @@ class ContextParallelAttention(nn.Module):
         return torch.cat(in_order) if len(in_order) > 1 else in_order[0]
 
 
-def _in_autocast_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Under autocast, attention runs in autocast's dtype, as SDPA would (Qwen3's fp32 q/k norms make q
-    and k fp32, v is bf16)."""
-    if torch.is_autocast_enabled(tensors[0].device.type):
-        dtype = torch.get_autocast_dtype(tensors[0].device.type)
-        return tuple(t.to(dtype) for t in tensors)
-    return tensors
-
-
 def chunked_causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ends: list[int]
 ) -> torch.Tensor:
@@ -163,7 +160,7 @@ def chunked_causal_attention(
     flash attention per chunk on its own block (causal) and on the keys before it (all visible), merged
     by their log-sum-exps: no queries x keys mask is made and kept for backward, and the output is kept
     once (as the model's output projection's input too)."""
-    q, k, v = _in_autocast_dtype(q, k, v)
+    q, k, v = in_autocast_dtype(q, k, v)
     chunk = q.shape[2] // len(ends)
     if q.device.type == "cpu":
         return _CpuChunkedCausalAttention.apply(q, k, v, _chunk_parts(ends, chunk))
@@ -187,7 +184,7 @@ def chunked_document_attention(
     whole sequences). On CPU each piece is cut where a document starts and each segment attends as a
     causal chunk does, to its own block and to its document's keys before it; on CUDA FlexAttention with
     the documents' block mask for the rank's query positions."""
-    q, k, v = _in_autocast_dtype(q, k, v)
+    q, k, v = in_autocast_dtype(q, k, v)
     piece = q.shape[2] // len(rows_ends[0])
     if not uses_flex_attention(q.device):
         return _document_chunked_attention(q, k, v, rows_ends, documents.ids)
