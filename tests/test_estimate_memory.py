@@ -1,14 +1,11 @@
 """scripts/estimate_memory.py: its fake-tensor estimate against the peak measured in a real run."""
 
 import functools
-import json
 import os
 import subprocess
-import sys
-import tempfile
 
 import pytest
-from launch import ROOT
+from launch import ROOT, run_forked
 
 from torchtitan.memory_estimation.torch_internals import check_torch_internals
 
@@ -27,96 +24,14 @@ JOB = [
 ]
 GIB = 2**30
 
-# A process that has imported the script and torchrun, and runs each command (the script's main, or
-# torchrun's) in a child forked from it, with the command's environment and its output in files: a
-# process of its own, as a new interpreter would be, without the seconds each spends importing torch
-# (the tests launch about 25). Nothing in it runs before the fork. A command still running after its
-# timeout is killed with the processes it started (its process group), and reports -9.
-FORK_SERVER = r"""
-import json, os, runpy, signal, sys, tempfile, time, traceback
-from torch.distributed.run import main as torchrun
-
-mains = {"script": runpy.run_path(sys.argv[1])["main"], "torchrun": torchrun}
-for line in sys.stdin:
-    kind, argv, env, timeout = json.loads(line)
-    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-    sys.stdout.flush()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.setpgid(0, 0)
-            os.environ.update(env)
-            os.dup2(out.fileno(), 1)
-            os.dup2(err.fileno(), 2)
-            code = mains[kind](argv) or 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    deadline = time.monotonic() + timeout
-    while not (done := os.waitpid(pid, os.WNOHANG))[0]:
-        if time.monotonic() > deadline:
-            os.killpg(pid, signal.SIGKILL)
-            done = os.waitpid(pid, 0)
-            break
-        time.sleep(0.02)
-    out.seek(0)
-    err.seek(0)
-    print(json.dumps([os.waitstatus_to_exitcode(done[1]), out.read(), err.read()]), flush=True)
-    out.close()
-    err.close()
-"""
-
-
-class ForkServer:
-    def __init__(self) -> None:
-        self.log = tempfile.TemporaryFile("w+")  # the server's own stderr
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", FORK_SERVER, SCRIPT],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            cwd=ROOT,
-            env=dict(os.environ, OMP_NUM_THREADS="1"),
-        )
-
-    def run(self, kind: str, argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-        self.process.stdin.write(json.dumps([kind, argv, env, 300]) + "\n")
-        self.process.stdin.flush()
-        reply = self.process.stdout.readline()
-        if not reply:
-            self.log.seek(0)
-            raise RuntimeError(f"the fork server exited: {self.log.read()[-3000:]}")
-        returncode, stdout, stderr = json.loads(reply)
-        return subprocess.CompletedProcess([kind, *argv], returncode, stdout, stderr)
-
-    def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait(timeout=60)
-        self.log.close()
-
-
-_server: list[ForkServer] = []  # started by the first command
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fork_server():
-    yield
-    while _server:
-        _server.pop().close()
-
 
 def run(kind: str, argv: list[str], ngpu: int = 1) -> subprocess.CompletedProcess:
-    """`kind` "script": scripts/estimate_memory.py's main(argv); "torchrun": torchrun's."""
-    if not _server:
-        _server.append(ForkServer())
-    return _server[0].run(kind, argv, {"OMP_NUM_THREADS": "1", "NGPU": str(ngpu)})
+    """`kind` "script": scripts/estimate_memory.py; "torchrun": torchrun. Forked from launch.py's fork
+    server (the tests run about 25 commands), which imports the script once."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", NGPU=str(ngpu))
+    if kind == "script":
+        return run_forked("script", SCRIPT, argv, env)
+    return run_forked("module", "torch.distributed.run", argv, env)
 
 
 def rows(stdout: str, columns: int) -> list[list[float]]:
