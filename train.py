@@ -3,7 +3,6 @@
 import functools
 import gc
 import os
-import sys
 import warnings
 
 import torch
@@ -31,7 +30,7 @@ from torchtitan.parallelisms.distributed import (
 from torchtitan.parallelisms.float8 import float8_scales_are_precomputed, precompute_float8_scales
 from torchtitan.parallelisms.parallelize import DTYPES
 from torchtitan.profiling import maybe_enable_profilers
-from torchtitan.reliability.entry import run_job
+from torchtitan.reliability.entry import exit_process, run_job
 from torchtitan.reliability.guards import NonFiniteGuard, StopRequest
 from torchtitan.train_step import TrainStep, parallelize_model
 from torchtitan.validation import Validator
@@ -189,4 +188,4 @@ def run(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run())
+    exit_process(run())

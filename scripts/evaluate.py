@@ -30,7 +30,7 @@ from torchtitan.datasets.tokenizer import build_tokenizer  # noqa: E402
 from torchtitan.errors import EXIT_OK, bad_input  # noqa: E402
 from torchtitan.models import build_model_args, model_spec  # noqa: E402
 from torchtitan.parallelisms.distributed import init_distributed  # noqa: E402
-from torchtitan.reliability.entry import run_job  # noqa: E402
+from torchtitan.reliability.entry import exit_process, run_job  # noqa: E402
 from torchtitan.train_step import TrainStep, parallelize_model  # noqa: E402
 from torchtitan.validation import Validator  # noqa: E402
 
@@ -77,4 +77,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

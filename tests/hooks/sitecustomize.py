@@ -3,15 +3,17 @@ folder on PYTHONPATH, Python imports this module as each process starts. It acts
 running train.py only, and only with TITAN_TEST_HOOK set; its files go to TITAN_TEST_HOOK_DIR.
 
 TITAN_TEST_HOOK=linger: rank 0 is slow to end, as a busy machine makes a rank (seconds between its
-last line and its end), deterministically. In its interpreter's teardown, after Python has reset its
-signal handlers, it writes `lingering-rank-0`, then waits until the launcher has reaped every other
-worker (so that torchrun's agent, seeing another rank's exit code, has sent it its closing SIGTERM),
-one second more, and writes `left-rank-0`: a rank that never writes it was killed while leaving. The
-other ranks wait, in their teardown, until rank 0 lingers, so that they end after it.
+last line and its end), deterministically. In its last exit handler (registered first, it runs after
+the others; train.py's exit_process ends the process right after them), it writes `lingering-rank-0`,
+then waits until the launcher has reaped every other worker (so that torchrun's agent, seeing another
+rank's exit code, has sent it its closing SIGTERM), one second more, and writes `left-rank-0`: a rank
+that never writes it was killed while leaving. The other ranks wait, in theirs, until rank 0 lingers,
+so that they end after it.
 
 TITAN_TEST_HOOK=slow_start: each rank, about to build its tokenizer (start-up, after the process group
 is up), writes `starting-rank-R` and waits up to 120 s, as while it builds a large model."""
 
+import atexit
 import os
 import sys
 import time
@@ -29,9 +31,9 @@ def _touch(name: str) -> None:
 
 
 class _Linger:
-    """Kept in this module's globals, so that its __del__ runs as the interpreter tears the modules
-    down: after Python has reset signal handlers to their defaults (but not ignored ones). By then
-    modules' globals may be gone: it uses what it kept, C functions only."""
+    """Its `linger` is the process's last exit handler. Should the interpreter's teardown follow (a
+    process ended by sys.exit), the modules' globals may be going: it uses what it kept, C functions
+    only."""
 
     def __init__(self) -> None:
         self.pid, self.rank, self.dir = os.getpid(), _RANK, _DIR
@@ -60,7 +62,7 @@ class _Linger:
                 pass
         return found
 
-    def __del__(self) -> None:
+    def linger(self) -> None:
         if self.getpid() != self.pid:  # a forked data loading worker
             return
         deadline = self.monotonic() + 60
@@ -90,6 +92,6 @@ def _slow_start() -> None:
 
 
 if _HOOK == "linger":
-    _linger = _Linger()
+    atexit.register(_Linger().linger)
 elif _HOOK == "slow_start":
     _slow_start()
