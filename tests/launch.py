@@ -58,8 +58,11 @@ def run_train_in_process(*argv: str) -> int:
 # each spends importing torch (the suite launches torchrun about 60 times). The server only imports
 # (no thread exists at a fork). A command still running at its timeout is killed with its process group.
 FORK_SERVER = r"""
-import json, os, runpy, signal, sys, tempfile, time, traceback
+import json, os, runpy, signal, sys, tempfile, time, traceback, warnings
 import torch.distributed.run
+
+# runpy's note that the module it runs as __main__ is imported already (here, on purpose).
+warnings.filterwarnings("ignore", "'torch.distributed.run' found in sys.modules", RuntimeWarning)
 
 
 def run(kind, target, argv):

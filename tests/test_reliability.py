@@ -616,3 +616,22 @@ def test_comm_failure_messages():
     assert "lost its connection to another rank" in comm_failure_message(wrapped, 0, comm)
     assert comm_failure_message(RuntimeError("CUDA out of memory"), 0, comm) is None
     assert comm_failure_message(ValueError("Timed out waiting 5ms"), 0, comm) is None
+
+
+def test_exit_process_ends_as_the_interpreter_would_with_a_thread_pool_idle():
+    """train.py's exit_process runs threading's exit hooks before it joins the threads, as the interpreter
+    does: an idle thread pool (torch.compile keeps one) is told to stop rather than waited for forever;
+    then the exit handlers run, and the code is the job's."""
+    code = (
+        "import atexit, concurrent.futures\n"
+        "from torchtitan.reliability.entry import exit_process\n"
+        "pool = concurrent.futures.ThreadPoolExecutor(2)\n"
+        "pool.submit(print, 'ran', flush=True).result()\n"
+        "atexit.register(print, 'exit handler')\n"
+        "exit_process(3)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert (result.returncode, result.stdout) == (3, "ran\nexit handler\n"), result.stderr

@@ -165,13 +165,12 @@ def run_job(
 
 
 def exit_process(code: int) -> NoReturn:
-    """End the process with `code` as the interpreter would (its threads joined, its exit handlers run:
-    logging's flush, multiprocessing's end of the data workers), without its teardown of every module:
-    freeing what torch and its dependencies loaded takes about a second per process, and the OS frees it
-    at once. For a job's `__main__`, once run_job has returned."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    """End the process with `code` as the interpreter would, in its order (threading's exit hooks, such
+    as the thread pools' shutdown, and the join of the other threads; then the exit handlers: logging's
+    flush, multiprocessing's end of the data workers), without its teardown of every module: freeing what
+    torch and its dependencies loaded takes about a second per process, and the OS frees it at once. For
+    a job's `__main__`, once run_job has returned."""
+    threading._shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
