@@ -52,89 +52,25 @@ def run_train_in_process(*argv: str) -> int:
         gc.enable()
 
 
-# A process that has imported torch and torchrun, and runs each command (`python -m module args`, or
-# `python script args`) in a child forked from it: a process of its own, with the command's
-# environment, folder, output files and no stdin, as a new interpreter would be, without the seconds
-# each spends importing torch (the suite launches torchrun about 60 times). The server only imports
-# (no thread exists at a fork). A command still running at its timeout is killed with its process group.
-FORK_SERVER = r"""
-import json, os, runpy, signal, sys, tempfile, time, traceback, warnings
-import torch.distributed.run
-
-# runpy's note that the module it runs as __main__ is imported already (here, on purpose).
-warnings.filterwarnings("ignore", "'torch.distributed.run' found in sys.modules", RuntimeWarning)
-
-
-def run(kind, target, argv):
-    sys.argv = [target, *argv]
-    if kind == "module":
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        runpy.run_path(target, run_name="__main__")
-
-
-def exit_code(exit):
-    if exit.code is None or isinstance(exit.code, int):
-        return exit.code or 0
-    print(exit.code, file=sys.stderr)
-    return 1
-
-
-for line in sys.stdin:
-    kind, target, argv, env, cwd, timeout = json.loads(line)
-    if kind == "warm":  # a script's imports, made here once for the commands that run it
-        runpy.run_path(target)
-        print("[]", flush=True)
-        continue
-    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-    sys.stdout.flush()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.setpgid(0, 0)
-            os.chdir(cwd)
-            os.environ.clear()
-            os.environ.update(env)
-            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-            os.dup2(out.fileno(), 1)
-            os.dup2(err.fileno(), 2)
-            run(kind, target, argv)
-            code = 0
-        except SystemExit as e:
-            code = exit_code(e)
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    deadline, timed_out = time.monotonic() + timeout, False
-    while not (done := os.waitpid(pid, os.WNOHANG))[0]:
-        if time.monotonic() > deadline:
-            os.killpg(pid, signal.SIGKILL)
-            done, timed_out = os.waitpid(pid, 0), True
-            break
-        time.sleep(0.02)
-    out.seek(0)
-    err.seek(0)
-    print(json.dumps([os.waitstatus_to_exitcode(done[1]), out.read(), err.read(), timed_out]), flush=True)
-    out.close()
-    err.close()
-"""
+def launch_env(**extra: str) -> dict[str, str]:
+    """The environment of the commands the tests launch: this process's, one intra-op thread, the
+    repository importable. tests/fork_server.py forks torchrun's workers where a command has it."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
 
 
 class ForkServer:
+    """tests/fork_server.py, started with launch_env()."""
+
     def __init__(self) -> None:
         self.log = tempfile.TemporaryFile("w+")  # the server's own stderr
         self.process = subprocess.Popen(
-            [sys.executable, "-c", FORK_SERVER],
+            [sys.executable, str(ROOT / "tests" / "fork_server.py")],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
             text=True,
             cwd=ROOT,
-            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)),
+            env=launch_env(),
         )
         self.warmed: set[str] = set()
 
@@ -151,9 +87,10 @@ class ForkServer:
         self, kind: str, target: str, argv: list[str], env: dict[str, str], timeout: float
     ) -> subprocess.CompletedProcess:
         cmd = [sys.executable, *(["-m"] if kind == "module" else []), target, *argv]
-        if kind == "script" and target not in self.warmed:
-            self.request("warm", target, [], {}, str(ROOT), 0)
-            self.warmed.add(target)
+        script = target if kind == "script" else next((a for a in argv if a.endswith(".py")), None)
+        if script is not None and script not in self.warmed:
+            self.request("warm", script, [], {}, str(ROOT), 0)
+            self.warmed.add(script)
         returncode, stdout, stderr, timed_out = self.request(kind, target, argv, env, str(ROOT), timeout)
         if timed_out:
             raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
@@ -190,7 +127,7 @@ def run_train(
     """train.py under `launcher` (torchrun, or torchtitan.reliability.launcher as run_llama_train.sh
     starts it), the launcher forked from the fork server; with `preexec_fn` (run in the launcher's
     process before it starts, e.g. to set a limit) it is a new interpreter."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = launch_env()
     argv = [
         f"--nproc_per_node={nproc}",
         "--rdzv_backend",

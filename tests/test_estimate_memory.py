@@ -1,11 +1,10 @@
 """scripts/estimate_memory.py: its fake-tensor estimate against the peak measured in a real run."""
 
 import functools
-import os
 import subprocess
 
 import pytest
-from launch import ROOT, run_forked
+from launch import ROOT, launch_env, run_forked
 
 from torchtitan.memory_estimation.torch_internals import check_torch_internals
 
@@ -27,11 +26,11 @@ GIB = 2**30
 
 def run(kind: str, argv: list[str], ngpu: int = 1) -> subprocess.CompletedProcess:
     """`kind` "script": scripts/estimate_memory.py; "torchrun": torchrun. Forked from launch.py's fork
-    server (the tests run about 25 commands), which imports the script once."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", NGPU=str(ngpu))
+    server (the tests run about 25 commands), which imports the script once; torchrun's ranks are
+    counted by torchrun, not NGPU."""
     if kind == "script":
-        return run_forked("script", SCRIPT, argv, env)
-    return run_forked("module", "torch.distributed.run", argv, env)
+        return run_forked("script", SCRIPT, argv, launch_env(NGPU=str(ngpu)))
+    return run_forked("module", "torch.distributed.run", argv, launch_env())
 
 
 def rows(stdout: str, columns: int) -> list[list[float]]:

@@ -1,0 +1,165 @@
+"""tests/launch.py's fork server: a process that has imported torch and torchrun and runs each command
+it reads (`python -m module args`, or `python script args`) in a child forked from it: a process of
+its own, with the command's environment, folder, output files and no stdin, as a new interpreter
+would be, without the seconds each spends importing torch. The server only imports (no thread exists
+at a fork). A command still running at its timeout is killed with its process group.
+
+torchrun's workers are forked too, from torchrun's agent, when the command's environment is the
+server's own (what a module read from it at import is then what a new interpreter would read): each
+worker is `python -u script args` in a session of its own, its exit code reported to the agent, as
+torchrun's Popen would make it; train.py's imports were made once, here."""
+
+import json
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+
+import torch.distributed.run  # noqa: F401  (imported for the commands, once)
+from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
+
+# runpy's note that the module it runs as __main__ is imported already (here, on purpose).
+warnings.filterwarnings("ignore", "'torch.distributed.run' found in sys.modules", RuntimeWarning)
+
+SERVER_ENV = dict(os.environ)
+WORKER_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+
+
+def run(kind: str, target: str, argv: list[str]) -> None:
+    """As `python -m target argv` or `python target argv` would, sys.path's first entry included."""
+    sys.argv = [target, *argv]
+    if kind == "module":
+        sys.path[0] = os.getcwd()
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        runpy.run_path(target, run_name="__main__")
+
+
+def exit_code(exit: SystemExit) -> int:
+    if exit.code is None or isinstance(exit.code, int):
+        return exit.code or 0
+    print(exit.code, file=sys.stderr)
+    return 1
+
+
+def run_then_exit(kind: str, target: str, argv: list[str]) -> None:
+    """Runs the command in this (forked) process and ends it with the command's exit code."""
+    code = 1
+    try:
+        run(kind, target, argv)
+        code = 0
+    except SystemExit as e:
+        code = exit_code(e)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+class ForkedWorker:
+    """What torchrun's agent uses of a worker's Popen: its pid, poll() and wait()."""
+
+    def __init__(self, pid: int, args: tuple) -> None:
+        self.pid, self.args, self.returncode = pid, args, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+
+def fork_worker(handler: SubprocessHandler, args: tuple, env: dict[str, str]) -> ForkedWorker:
+    """SubprocessHandler._popen's stand-in: `python -u script args` forked from the agent."""
+    python, unbuffered, script, *argv = args
+    assert (python, unbuffered) == (sys.executable, "-u"), args
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return ForkedWorker(pid, args)
+    try:
+        os.setsid()
+        for sig in WORKER_SIGNALS:  # the agent's handlers; a new interpreter's defaults
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        for stream, target in ((sys.stdout, handler._stdout), (sys.stderr, handler._stderr)):
+            if target is not None:
+                os.dup2(target.fileno(), stream.fileno())
+            stream.reconfigure(line_buffering=True, write_through=True)
+        os.environ.clear()
+        os.environ.update(env)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    run_then_exit("script", script, argv)
+
+
+def server_environment(env: dict[str, str]) -> bool:
+    """Whether `env` is the server's (pytest's name for the running test aside)."""
+    return {**env, "PYTEST_CURRENT_TEST": ""} == {**SERVER_ENV, "PYTEST_CURRENT_TEST": ""}
+
+
+def warm(target: str) -> None:
+    """A script's imports, made here once for the commands that run it."""
+    runpy.run_path(target)
+
+
+def serve() -> None:
+    for line in sys.stdin:
+        kind, target, argv, env, cwd, timeout = json.loads(line)
+        if kind == "warm":
+            warm(target)
+            print("[]", flush=True)
+            continue
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setpgid(0, 0)
+                os.chdir(cwd)
+                os.environ.clear()
+                os.environ.update(env)
+                os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                if (kind, target) == ("module", "torch.distributed.run") and server_environment(env):
+                    SubprocessHandler._popen = fork_worker
+            except BaseException:
+                traceback.print_exc()
+                os._exit(1)
+            run_then_exit(kind, target, argv)
+        deadline, timed_out = time.monotonic() + timeout, False
+        while not (done := os.waitpid(pid, os.WNOHANG))[0]:
+            if time.monotonic() > deadline:
+                os.killpg(pid, signal.SIGKILL)
+                done, timed_out = os.waitpid(pid, 0), True
+                break
+            time.sleep(0.02)
+        out.seek(0)
+        err.seek(0)
+        reply = [os.waitstatus_to_exitcode(done[1]), out.read(), err.read(), timed_out]
+        print(json.dumps(reply), flush=True)
+        out.close()
+        err.close()
+
+
+if __name__ == "__main__":
+    serve()
