@@ -4,13 +4,15 @@ its own, with the command's environment, folder, output files and no stdin, as a
 would be, without the seconds each spends importing torch. The server only imports (no thread exists
 at a fork). A command still running at its timeout is killed with its process group.
 
-torchrun's workers are forked too, from torchrun's agent, when the command's environment is the
+torchrun's workers (under torchrun or torchtitan.reliability.launcher, which runs torchrun's agent
+in its process) are forked too, from the agent, when the command's environment is the
 server's own (what a module read from it at import is then what a new interpreter would read): each
 worker is `python -u script args` in a session of its own, its exit code reported to the agent, as
 torchrun's Popen would make it; train.py's imports were made once, here."""
 
 import json
 import os
+import resource
 import runpy
 import signal
 import subprocess
@@ -27,6 +29,7 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_han
 warnings.filterwarnings("ignore", "'torch.distributed.run' found in sys.modules", RuntimeWarning)
 
 SERVER_ENV = dict(os.environ)
+LAUNCHERS = ("torch.distributed.run", "torchtitan.reliability.launcher")
 WORKER_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
 
@@ -123,7 +126,7 @@ def warm(target: str) -> None:
 
 def serve() -> None:
     for line in sys.stdin:
-        kind, target, argv, env, cwd, timeout = json.loads(line)
+        kind, target, argv, env, cwd, timeout, file_size_limit = json.loads(line)
         if kind == "warm":
             warm(target)
             print("[]", flush=True)
@@ -140,7 +143,9 @@ def serve() -> None:
                 os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
                 os.dup2(out.fileno(), 1)
                 os.dup2(err.fileno(), 2)
-                if (kind, target) == ("module", "torch.distributed.run") and server_environment(env):
+                if file_size_limit is not None:  # a write past it fails with EFBIG (CPython ignores SIGXFSZ)
+                    resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+                if kind == "module" and target in LAUNCHERS and server_environment(env):
                     SubprocessHandler._popen = fork_worker
             except BaseException:
                 traceback.print_exc()

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,14 +83,22 @@ class ForkServer:
         return json.loads(reply)
 
     def run(
-        self, kind: str, target: str, argv: list[str], env: dict[str, str], timeout: float
+        self,
+        kind: str,
+        target: str,
+        argv: list[str],
+        env: dict[str, str],
+        timeout: float,
+        file_size_limit: int | None = None,
     ) -> subprocess.CompletedProcess:
         cmd = [sys.executable, *(["-m"] if kind == "module" else []), target, *argv]
         script = target if kind == "script" else next((a for a in argv if a.endswith(".py")), None)
         if script is not None and script not in self.warmed:
-            self.request("warm", script, [], {}, str(ROOT), 0)
+            self.request("warm", script, [], {}, str(ROOT), 0, None)
             self.warmed.add(script)
-        returncode, stdout, stderr, timed_out = self.request(kind, target, argv, env, str(ROOT), timeout)
+        returncode, stdout, stderr, timed_out = self.request(
+            kind, target, argv, env, str(ROOT), timeout, file_size_limit
+        )
         if timed_out:
             raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
         return subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
@@ -106,14 +113,20 @@ _fork_server: list[ForkServer] = []  # started by the first command
 
 
 def run_forked(
-    kind: str, target: str, argv: list[str], env: dict[str, str], timeout: float = 300
+    kind: str,
+    target: str,
+    argv: list[str],
+    env: dict[str, str],
+    timeout: float = 300,
+    file_size_limit: int | None = None,
 ) -> subprocess.CompletedProcess:
     """`python -m target argv` (kind "module") or `python target argv` ("script"), in ROOT with the
-    environment `env`, as a child of the fork server: as subprocess.run with captured output would."""
+    environment `env`, as a child of the fork server: as subprocess.run with captured output would.
+    `file_size_limit` (bytes): RLIMIT_FSIZE in the command's process, and so in the processes it starts."""
     if not _fork_server:
         _fork_server.append(ForkServer())
         atexit.register(_fork_server[0].close)
-    return _fork_server[0].run(kind, target, argv, env, timeout)
+    return _fork_server[0].run(kind, target, argv, env, timeout, file_size_limit)
 
 
 def run_train(
@@ -122,12 +135,10 @@ def run_train(
     *args: str,
     timeout: int = 300,
     launcher: str = "torch.distributed.run",
-    preexec_fn: Callable[[], None] | None = None,
+    file_size_limit: int | None = None,
 ) -> subprocess.CompletedProcess:
     """train.py under `launcher` (torchrun, or torchtitan.reliability.launcher as run_llama_train.sh
-    starts it), the launcher forked from the fork server; with `preexec_fn` (run in the launcher's
-    process before it starts, e.g. to set a limit) it is a new interpreter."""
-    env = launch_env()
+    starts it), the launcher forked from the fork server, with launch_env()."""
     argv = [
         f"--nproc_per_node={nproc}",
         "--rdzv_backend",
@@ -140,17 +151,7 @@ def run_train(
         str(dump_folder),
         *args,
     ]
-    if preexec_fn is None:
-        return run_forked("module", launcher, argv, env, timeout)
-    return subprocess.run(
-        [sys.executable, "-m", launcher, *argv],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=timeout,
-        preexec_fn=preexec_fn,
-    )
+    return run_forked("module", launcher, argv, launch_env(), timeout, file_size_limit)
 
 
 def read_records(dump_folder: Path) -> list[dict]:

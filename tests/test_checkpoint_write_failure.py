@@ -7,7 +7,6 @@ import errno
 import logging
 import os
 import re
-import resource
 import shutil
 from pathlib import Path
 
@@ -24,7 +23,8 @@ from torchtitan.metrics import MetricLogger
 
 JOB = ["--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "2", "--training.steps", "6"]
 LAUNCHER = "torchtitan.reliability.launcher"  # as run_llama_train.sh starts train.py
-FILE_SIZE_LIMIT = 16 << 20  # above metrics.jsonl and the logs, below the tiny job's 76 MB shard
+# In the launcher and so in train.py: above metrics.jsonl and the logs, below the tiny job's 76 MB shard.
+FILE_SIZE_LIMIT = 16 << 20
 
 
 def contents(folder: Path) -> dict[str, bytes]:
@@ -71,12 +71,6 @@ def straight(tmp_path_factory) -> Path:
     return dump
 
 
-def limit_file_size() -> None:
-    """In the launcher and so in train.py: a write past the limit fails with EFBIG (CPython ignores
-    SIGXFSZ, which would otherwise kill the process)."""
-    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE_LIMIT, FILE_SIZE_LIMIT))
-
-
 @pytest.mark.parametrize("async_mode", ["disabled", "async"])
 def test_write_past_a_file_size_limit_then_resume(straight, tmp_path, async_mode):
     """Resumed from step 2, the save of step 4 fails (an async one is reported at the next save, step
@@ -86,7 +80,7 @@ def test_write_past_a_file_size_limit_then_resume(straight, tmp_path, async_mode
     shutil.copytree(straight / "checkpoint" / "step-2", ckpt / "step-2")
     saved = contents(ckpt)
     mode = ["--checkpoint.async_mode", async_mode]
-    failed = run_train(1, tmp_path, *JOB, *mode, launcher=LAUNCHER, preexec_fn=limit_file_size)
+    failed = run_train(1, tmp_path, *JOB, *mode, launcher=LAUNCHER, file_size_limit=FILE_SIZE_LIMIT)
     out = failed.stdout + failed.stderr
     assert failed.returncode == 5, out[-3000:]
     assert "Traceback" not in out

@@ -2,15 +2,12 @@
 transformers' own LlamaForCausalLM (and Qwen3ForCausalLM) computes on the same windows."""
 
 import importlib.util
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from launch import ROOT, TINY_JOB
+from launch import ROOT, TINY_JOB, launch_env, run_forked
 from test_convert import random_model
 
 from scripts import convert_dcp_to_hf, convert_hf_to_dcp
@@ -65,11 +62,9 @@ def test_evaluate_a_converted_model_equals_transformers(tmp_path, capsys):
     assert abs(printed_loss(out) - expected) < 1e-5, (out, expected)
 
     # Two processes (FSDP), the weights resharded on load: the same windows, the same loss.
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
-    torchrun += ["--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    command = [*torchrun, str(SCRIPT), *job, str(tmp_path / "from_hf"), "--validation.batch_size", "1"]
-    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    torchrun = ["--nproc_per_node=2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
+    argv = [*torchrun, str(SCRIPT), *job, str(tmp_path / "from_hf"), "--validation.batch_size", "1"]
+    result = run_forked("module", "torch.distributed.run", argv, launch_env())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert abs(printed_loss(result.stdout) - expected) < 1e-5, (result.stdout, expected)
 
