@@ -23,6 +23,7 @@ import traceback
 import warnings
 
 import torch.distributed.run  # noqa: F401  (imported for the commands, once)
+import torch.multiprocessing
 from torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler import SubprocessHandler
 
 # runpy's note that the module it runs as __main__ is imported already (here, on purpose).
@@ -34,7 +35,16 @@ WORKER_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, 
 
 
 def run(kind: str, target: str, argv: list[str]) -> None:
-    """As `python -m target argv` or `python target argv` would, sys.path's first entry included."""
+    """As `python -m target argv` or `python target argv` would, sys.path's first entry included; kind
+    "ranks": the function `file::name` run as mp.spawn(function, args, nprocs) would, argv being
+    [nprocs, *args], its processes forked from this one."""
+    if kind == "ranks":
+        path, name = target.split("::")
+        sys.path[0] = os.path.dirname(path)
+        nprocs, *args = argv
+        function = runpy.run_path(path)[name]
+        torch.multiprocessing.start_processes(function, tuple(args), nprocs, start_method="fork")
+        return
     sys.argv = [target, *argv]
     if kind == "module":
         sys.path[0] = os.getcwd()
@@ -128,7 +138,7 @@ def serve() -> None:
     for line in sys.stdin:
         kind, target, argv, env, cwd, timeout, file_size_limit = json.loads(line)
         if kind == "warm":
-            warm(target)
+            warm(target.split("::")[0])
             print("[]", flush=True)
             continue
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,7 +93,7 @@ class ForkServer:
         file_size_limit: int | None = None,
     ) -> subprocess.CompletedProcess:
         cmd = [sys.executable, *(["-m"] if kind == "module" else []), target, *argv]
-        script = target if kind == "script" else next((a for a in argv if a.endswith(".py")), None)
+        script = target if kind in ("script", "ranks") else next((a for a in argv if a.endswith(".py")), None)
         if script is not None and script not in self.warmed:
             self.request("warm", script, [], {}, str(ROOT), 0, None)
             self.warmed.add(script)
@@ -127,6 +128,16 @@ def run_forked(
         _fork_server.append(ForkServer())
         atexit.register(_fork_server[0].close)
     return _fork_server[0].run(kind, target, argv, env, timeout, file_size_limit)
+
+
+def spawn_forked(function: Callable[..., None], nprocs: int, *args: int | str, timeout: float = 300) -> None:
+    """mp.spawn(function, args, nprocs) with the processes forked from the fork server (which imported
+    the function's file once), not new interpreters; `function` is a module-level function of a file,
+    `args` numbers or strings. Raises with the ranks' output if one failed."""
+    target = f"{function.__code__.co_filename}::{function.__name__}"
+    result = run_forked("ranks", target, [nprocs, *args], launch_env(), timeout)
+    if result.returncode != 0:
+        raise RuntimeError(f"{function.__name__} failed: {result.stdout[-3000:]}{result.stderr[-5000:]}")
 
 
 def run_train(

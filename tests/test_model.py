@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from launch import spawn_forked
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
@@ -331,7 +331,7 @@ def _dist_worker(rank: int, world_size: int, tmp_dir: str) -> None:
 @pytest.fixture(scope="module")
 def dist_results(tmp_path_factory):
     tmp_dir = tmp_path_factory.mktemp("mesh")
-    mp.spawn(_dist_worker, args=(2, str(tmp_dir)), nprocs=2, join=True)
+    spawn_forked(_dist_worker, 2, 2, str(tmp_dir))
     return torch.load(tmp_dir / "results.pt")
 
 

@@ -16,9 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from launch import TINY_JOB, run_train_in_process
+from launch import TINY_JOB, run_train_in_process, spawn_forked
 from test_convert import random_model
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -579,7 +578,7 @@ def mesh_results(tmp_path_factory):
     if importlib.util.find_spec("transformers") is not None:
         _hub_folder(tmp_dir, "llama3", TINY)
         _hub_folder(tmp_dir, "qwen3_moe", MOE_TINY)
-    mp.spawn(_mesh_worker, args=(4, str(tmp_dir)), nprocs=4, join=True)
+    spawn_forked(_mesh_worker, 4, 4, str(tmp_dir))
     results = torch.load(tmp_dir / "results.pt", weights_only=False)
     results["tmp_dir"] = tmp_dir
     return results
@@ -785,7 +784,7 @@ def _compile_worker(rank: int, world_size: int, tmp_dir: str) -> None:
 @pytest.fixture(scope="module")
 def compiled_graphs(tmp_path_factory):
     tmp_dir = tmp_path_factory.mktemp("compile2")
-    mp.spawn(_compile_worker, args=(2, str(tmp_dir)), nprocs=2, join=True)
+    spawn_forked(_compile_worker, 2, 2, str(tmp_dir))
     return torch.load(tmp_dir / "results.pt", weights_only=False)
 
 
