@@ -118,12 +118,14 @@ class TrainStep:
         # Compiled, the loss fuses the upcast, log-softmax and their backward over the (large) logits:
         # +3% tokens/s and -4 GiB on a 1B model (docs/performance.md).
         compile_loss = training_config.compile and not parallel_dims.loss_parallel_enabled
-        self.loss_fn = torch.compile(loss_fn) if compile_loss else loss_fn
+        backend = training_config.compile_backend
+        self.loss_fn = torch.compile(loss_fn, backend=backend) if compile_loss else loss_fn
         # The output projection and the loss a chunk of tokens at a time: no whole logits (chunked_loss.py).
         # Under TP it scores vocabulary shards (DTensors, collectives): left uncompiled, as loss parallel is.
         self.loss_chunk_tokens = training_config.loss_chunk_tokens
         compile_chunked = training_config.compile and not parallel_dims.tp_enabled
-        self.chunked_loss = torch.compile(chunked_cross_entropy) if compile_chunked else chunked_cross_entropy
+        chunked = chunked_cross_entropy
+        self.chunked_loss = torch.compile(chunked, backend=backend) if compile_chunked else chunked
         # Pipeline stages stop at the final norm for the chunked loss (stage_loss_fn projects).
         self.stage_kwargs = {"skip_output": True} if loss_skips_output(training_config) else {}
 

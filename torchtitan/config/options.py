@@ -177,6 +177,12 @@ class TrainingConfig:
     compile: bool = opt(
         False, "torch.compile each transformer block, and the loss unless it is computed loss-parallel"
     )
+    compile_backend: str = opt(
+        "inductor",
+        "torch.compile's backend with training.compile: inductor (generated kernels), or aot_eager (the "
+        "same graphs run by eager kernels: tells an inductor bug from a tracing one, compiles in seconds)",
+        choices=("inductor", "aot_eager"),
+    )
     loss_chunk_tokens: int = opt(
         0,
         "Project the final hidden states and score them this many tokens at a time, in forward and "

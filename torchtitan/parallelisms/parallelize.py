@@ -81,7 +81,7 @@ def parallelize(
         # block_causal's CPU attention reads the documents' bounds on the host (models/documents.py).
         segments_on_host = job_config.model.attn_mask_type == "block_causal" and device_type() == "cpu"
         fullgraph = not norm_units and not parallel_dims.ep_enabled and not segments_on_host
-        apply_compile(model, fullgraph=fullgraph)
+        apply_compile(model, job_config.training.compile_backend, fullgraph=fullgraph)
 
     if parallel_dims.fsdp_enabled:
         if par.fsdp_reshard_after_forward == "default":
@@ -243,7 +243,7 @@ def apply_ac(model: nn.Module, mode: str, selective_ac_option: str) -> None:
         model.layers.register_module(layer_id, wrapped)
 
 
-def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
+def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool = True) -> None:
     """Compile each block separately: blocks are identical, so one graph serves them all, and FSDP's
     hooks stay outside the compiled code. Without `fullgraph` a block may compile in pieces: around
     its norms when they are FSDP units of their own (mixed precision), around expert parallelism's
@@ -253,7 +253,7 @@ def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
     checkpointing's recompute must not count them again, as in eager (moe._training_forward)."""
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer_id, block in model.layers.named_children():
-        model.layers.register_module(layer_id, torch.compile(block, fullgraph=fullgraph))
+        model.layers.register_module(layer_id, torch.compile(block, backend=backend, fullgraph=fullgraph))
 
 
 def apply_fsdp(
