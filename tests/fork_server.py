@@ -10,6 +10,7 @@ server's own (what a module read from it at import is then what a new interprete
 worker is `python -u script args` in a session of its own, its exit code reported to the agent, as
 torchrun's Popen would make it; train.py's imports were made once, here."""
 
+import io
 import json
 import os
 import resource
@@ -112,12 +113,18 @@ def fork_worker(handler: SubprocessHandler, args: tuple, env: dict[str, str]) ->
         os.setsid()
         for sig in WORKER_SIGNALS:  # the agent's handlers; a new interpreter's defaults
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
-        for stream, target in ((sys.stdout, handler._stdout), (sys.stderr, handler._stderr)):
+        for name, target in (("stdout", handler._stdout), ("stderr", handler._stderr)):
+            stream = getattr(sys, name)
             if target is not None:
                 os.dup2(target.fileno(), stream.fileno())
-            stream.reconfigure(line_buffering=True, write_through=True)
+            # As `python -u` makes them: text written through to the file descriptor, no buffer.
+            raw = io.FileIO(stream.fileno(), "w", closefd=False)
+            unbuffered = io.TextIOWrapper(raw, stream.encoding, stream.errors, write_through=True)
+            setattr(sys, name, unbuffered)
+            setattr(sys, f"__{name}__", unbuffered)
         os.environ.clear()
         os.environ.update(env)
+        sys.orig_argv = list(args)
     except BaseException:
         traceback.print_exc()
         os._exit(1)

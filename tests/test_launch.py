@@ -1,0 +1,61 @@
+"""tests/fork_server.py's forked torchrun workers are what torchrun's new interpreters are to the
+program they run: the same argv, sys.path, environment, session, signal handlers and stdio, and
+their exit codes reach torchrun as theirs."""
+
+import json
+from pathlib import Path
+
+from launch import launch_env, run_forked
+
+PROBE = """
+import json, os, signal, sys
+
+FORKED = "torch" in sys.modules  # imported before the program started
+PER_RUN = ("MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "PYTEST_CURRENT_TEST",
+           "TITAN_TEST_NEW_INTERPRETERS")
+STDIO = (sys.stdout, sys.stderr)  # `python -u`: unbuffered
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGCHLD)
+
+def main():
+    rank = int(os.environ["RANK"])
+    seen = {
+        "forked": FORKED,
+        "argv": sys.argv,
+        "orig_argv": sys.orig_argv[1:],
+        "path0": sys.path[0],
+        "session leader": os.getsid(0) == os.getpid(),
+        "environment": {k: v for k, v in os.environ.items() if k not in PER_RUN},
+        "signals": {s.name: repr(signal.getsignal(s)) for s in SIGNALS},
+        "stdio": [(f.line_buffering, f.write_through, type(f.buffer).__name__, f.errors) for f in STDIO],
+        "stdin": os.isatty(0),
+    }
+    with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    print(f"rank {rank} ends with {3 * rank}")
+    sys.exit(3 * rank)
+
+
+if __name__ == "__main__":  # the fork server imports the script once, before the runs
+    main()
+"""
+
+
+def launch(folder: Path, env: dict[str, str]) -> tuple[list[dict], str]:
+    folder.mkdir()
+    script = folder / "probe.py"
+    script.write_text(PROBE)
+    torchrun = ["--nproc_per_node=2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
+    result = run_forked("module", "torch.distributed.run", [*torchrun, str(script), str(folder)], env)
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]  # torchrun's, a rank failed
+    seen = [(folder / f"rank{rank}.json").read_text().replace(str(folder), "<folder>") for rank in (0, 1)]
+    return [json.loads(text) for text in seen], result.stdout + result.stderr
+
+
+def test_forked_workers_see_what_new_interpreters_see(tmp_path):
+    forked, forked_out = launch(tmp_path / "forked", launch_env())
+    new, new_out = launch(tmp_path / "new", launch_env(TITAN_TEST_NEW_INTERPRETERS="1"))
+    assert [rank.pop("forked") for rank in forked + new] == [True, True, False, False]
+    assert forked == new
+    for out in (forked_out, new_out):
+        assert "rank 0 ends with 0" in out and "rank 1 ends with 3" in out
+        assert "exitcode  : 3 (pid:" in out  # torchrun's report of rank 1's failure
