@@ -1,14 +1,16 @@
 """tests/launch.py's fork server: a process that has imported torch and torchrun and runs each command
-it reads (`python -m module args`, or `python script args`) in a child forked from it: a process of
-its own, with the command's environment, folder, output files and no stdin, as a new interpreter
-would be, without the seconds each spends importing torch. The server only imports (no thread exists
-at a fork). A command still running at its timeout is killed with its process group.
+it reads (`python -m module args`, `python script args`, or a function as mp.spawn runs it) in a
+child forked from it: a process of its own, with the command's environment, folder, output files and
+no stdin, as a new interpreter would be, without the seconds each spends importing torch. The server
+only imports: no Python thread runs, and no op has started torch's thread pools, when it forks. A
+command still running at its timeout is killed with its process group.
 
 torchrun's workers (under torchrun or torchtitan.reliability.launcher, which runs torchrun's agent
-in its process) are forked too, from the agent, when the command's environment is the
-server's own (what a module read from it at import is then what a new interpreter would read): each
-worker is `python -u script args` in a session of its own, its exit code reported to the agent, as
-torchrun's Popen would make it; train.py's imports were made once, here."""
+in its process) are forked too, from the agent, when the command's environment is the server's own
+(what a module read from it at import is then what a new interpreter would read): each worker is
+`python -u script args` in a session of its own, its exit code reported to the agent, as torchrun's
+Popen would make it (tests/test_launch.py compares the two); the script's imports were made once,
+here."""
 
 import io
 import json
