@@ -147,7 +147,7 @@ def serve() -> None:
     for line in sys.stdin:
         kind, target, argv, env, cwd, timeout, file_size_limit = json.loads(line)
         if kind == "warm":
-            warm(target.split("::")[0])
+            warm(target)
             print("[]", flush=True)
             continue
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")

@@ -93,7 +93,10 @@ class ForkServer:
         file_size_limit: int | None = None,
     ) -> subprocess.CompletedProcess:
         cmd = [sys.executable, *(["-m"] if kind == "module" else []), target, *argv]
-        script = target if kind in ("script", "ranks") else next((a for a in argv if a.endswith(".py")), None)
+        if kind == "module":  # a launcher: the script it runs
+            script = next((a for a in argv if a.endswith(".py")), None)
+        else:
+            script = target.split("::")[0]  # "ranks": file::function
         if script is not None and script not in self.warmed:
             self.request("warm", script, [], {}, str(ROOT), 0, None)
             self.warmed.add(script)
