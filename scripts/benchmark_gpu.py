@@ -17,6 +17,7 @@ minutes prints one table (docs/performance.md keeps the figures, with their setu
 | cp_attention_cuda | context parallel's CUDA attention (SDPA lower-right per chunk; FlexAttention with |
 |  | documents) for each CP 2 rank's pieces, in one process: values and gradients vs the CPU path in fp32 |
 | cp_compiled_block_causal | CP's attention on a 1-rank mesh, compiled blocks, block_causal: vs no CP |
+| cp2_one_gpu | train.py at CP 2, two processes sharing the GPU over gloo, vs one process: fp32, bf16 losses |
 | llama1b_muon | llama1b with optimizer.name Muon (bf16 Newton-Schulz) |
 | llama1b_chunked_loss | llama1b with training.loss_chunk_tokens 2048, as the recipe has it |
 | llama1b_fp8_tensorwise, llama1b_fp8_rowwise | llama1b with float8 linear layers (torchao) |
@@ -460,6 +461,61 @@ def part_cp_compiled_block_causal(out: Path, small: bool) -> dict:
     }  # fmt: skip
 
 
+def _train_rank(rank: int, world_size: int, port: int, argv: list[str]) -> None:
+    """One rank of a job whose ranks share this machine's one GPU (a process started by mp.spawn)."""
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size))
+    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)  # train.py takes this group as it is
+    code = runpy.run_path(str(ROOT / "train.py"))["main"](parse_args(argv))
+    if code:
+        raise SystemExit(code)
+
+
+def part_cp2_one_gpu(out: Path, small: bool) -> dict:
+    """Context parallel's CUDA branch end to end: train.py at CP 2 as two processes sharing the one GPU
+    over gloo (NCCL refuses two ranks on one device), against one process, in fp32 and bf16: the
+    losses of 10 steps, eager, the 1B recipe's width with 2 layers and block_causal documents at
+    8192 tokens. Two processes on one GPU over gloo (the collectives copied through the host) say
+    nothing of CP's speed: the figure is the losses, and each rank's memory."""
+    import torch.multiprocessing as mp
+
+    seqlen = "512" if small else "8192"
+    base = [
+        "--job.config_file", str(ROOT / "train_configs" / "llama3_1b.toml"),
+        "--training.batch_size", "1", "--training.seq_len", seqlen, "--training.global_batch_size", "-1",
+        "--training.compile", "false", "--model.attn_mask_type", "block_causal",
+        *COMMON, "1", "--training.steps", "10",
+    ]  # fmt: skip
+    if small:
+        base += ["--model.flavor", "debugmodel", "--model.vocab_size", "-1"]
+    else:
+        flavors = MODEL_SPECS["llama3"].flavors
+        flavors["1B-2layers"] = replace(flavors["1B"], n_layers=2)
+        base += ["--model.flavor", "1B-2layers"]
+    result: dict = {"device": "cuda" if torch.cuda.is_available() else "cpu", "seqlen": int(seqlen)}
+    for dtype in ("float32", "bfloat16"):
+        runs = {}
+        for name, cp in (("one_process", 1), ("cp2", 2)):
+            dump = out / f"cp2_one_gpu_{dtype}_{name}"
+            argv = [*base, "--training.mixed_precision_param", dtype, "--job.dump_folder", str(dump)]
+            argv += ["--parallelism.context_parallel_degree", str(cp)]
+            if cp == 1:
+                runpy.run_path(str(ROOT / "train.py"))["main"](parse_args(argv))
+            else:  # spawned: this process has CUDA initialised, which a fork could not use
+                mp.spawn(_train_rank, args=(cp, 29531, argv), nprocs=cp)
+            with open(dump / "metrics.jsonl") as f:
+                runs[name] = [r for r in map(json.loads, f) if "loss" in r]
+        one, cp2 = runs["one_process"], runs["cp2"]
+        result[dtype] = {
+            "max_loss_difference": f"{max(abs(a['loss'] - b['loss']) for a, b in zip(one, cp2)):.2e}",
+            "losses_one_process": [round(r["loss"], 5) for r in one],
+            "memory_gib_one_process_cp2": [round(one[-1]["memory_gib"], 2), round(cp2[-1]["memory_gib"], 2)],
+        }
+    return result
+
+
 def part_host_syncs(out: Path, small: bool) -> dict:
     """CUDA's sync debug mode over the Qwen3-MoE debug recipe, eager, bf16, 6 steps logging at 1, 3
     and 6: the host-device syncs counted between one step's update and the next one's, from step 1
@@ -519,6 +575,7 @@ PARTS = {  # name: (function, estimated seconds on an H100), in priority order
     "attention_block_causal": (part_attention_block_causal, 60),
     "cp_attention_cuda": (part_cp_attention_cuda, 30),
     "cp_compiled_block_causal": (part_cp_compiled_block_causal, 40),
+    "cp2_one_gpu": (part_cp2_one_gpu, 90),
     "llama1b_muon": (part_llama1b_muon, 75),
     "host_syncs": (part_host_syncs, 30),
     "llama8b_4layers": (part_llama8b_4layers, 70),
