@@ -32,14 +32,24 @@ RECIPE = "train_configs/debug_model.toml"
 ARGS = ["--job.config_file", RECIPE, "--metrics.log_freq", "1", "--checkpoint.enable_checkpoint", "false"]
 
 
-def train(dump_folder: Path) -> dict:
-    """The recipe's curve: train.py run as a program, read back from its metrics.jsonl."""
+def start(dump_folder: Path, niceness: int = 0) -> subprocess.Popen:
+    """train.py run as a program on the recipe, its output in dump_folder/train.log; `niceness`: its
+    CPU priority (19, the lowest: it takes only the time other processes leave idle)."""
     env = dict(os.environ, OMP_NUM_THREADS="2", WANDB_MODE="disabled", PYTHONPATH=str(ROOT))
     env.update(ATEN_CPU_CAPABILITY="avx2", MKL_CBWR="AVX2")  # the same kernels on every machine
     cmd = [sys.executable, str(ROOT / "train.py"), *ARGS, "--job.dump_folder", str(dump_folder)]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"train.py exited with {result.returncode}:\n{result.stderr[-3000:]}")
+    if niceness:
+        cmd = ["nice", "-n", str(niceness), *cmd]
+    dump_folder.mkdir(parents=True, exist_ok=True)
+    with open(dump_folder / "train.log", "w") as log:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def finish(process: subprocess.Popen, dump_folder: Path) -> dict:
+    """The curve of a run `start` began, once it ends, read back from its metrics.jsonl."""
+    if process.wait() != 0:
+        log = (dump_folder / "train.log").read_text()
+        raise RuntimeError(f"train.py exited with {process.returncode}:\n{log[-3000:]}")
     records = [json.loads(line) for line in (dump_folder / "metrics.jsonl").read_text().splitlines()]
     return {
         "command": ["train.py", *ARGS],
@@ -48,6 +58,11 @@ def train(dump_folder: Path) -> dict:
         "grad_norm": {r["step"]: r["grad_norm"] for r in records if "grad_norm" in r},
         "validation_loss": {r["step"]: r["validation_loss"] for r in records if "validation_loss" in r},
     }
+
+
+def train(dump_folder: Path) -> dict:
+    """The recipe's curve."""
+    return finish(start(dump_folder), dump_folder)
 
 
 def stored() -> dict:

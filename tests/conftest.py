@@ -16,6 +16,39 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TIKTOKEN_CACHE_DIR"] = ""
 
+LOSS_CURVE_TEST = "test_the_default_recipe_trains_its_stored_curve"
+_loss_curve_run = pytest.StashKey[tuple]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """test_loss_curve.py's run (100 steps of training) starts once it is collected, at the lowest CPU
+    priority: it trains in the time the other tests leave a core idle (waiting on a timeout, a process's
+    start-up, a rendezvous) instead of adding its minutes to the suite's. Its numerics do not depend
+    on the time it takes."""
+    if any(item.name == LOSS_CURVE_TEST for item in session.items):
+        from scripts import loss_curve
+
+        folder = Path(tempfile.mkdtemp(prefix="loss-curve-"))
+        session.config.stash[_loss_curve_run] = (loss_curve.start(folder, niceness=19), folder)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    process, _ = session.config.stash.get(_loss_curve_run, (None, None))
+    if process is not None and process.poll() is None:  # its test did not run (a failure under -x)
+        process.kill()
+        process.wait()
+
+
+@pytest.fixture
+def default_recipe_curve(request: pytest.FixtureRequest, tmp_path: Path) -> dict:
+    """The default recipe's curve (scripts/loss_curve.py): the run started at collection, or one
+    started now."""
+    from scripts import loss_curve
+
+    started = request.config.stash.get(_loss_curve_run, None)
+    process, folder = started or (loss_curve.start(tmp_path), tmp_path)
+    return loss_curve.finish(process, folder)
+
 
 @pytest.fixture(scope="module")
 def hf_cache(tmp_path_factory: pytest.TempPathFactory):

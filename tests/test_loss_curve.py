@@ -1,13 +1,13 @@
 """The default recipe trains its stored curve (scripts/loss_curve.py): every step's loss and gradient
 norm, and the validation losses of steps 50 and 100, within 1e-6 of tests/assets/losses/debug_model.json.
 A change that moves them stores the new curve (`python scripts/loss_curve.py --update`), and its commit
-says why."""
+says why. The run starts when the suite is collected, at the lowest CPU priority (tests/conftest.py)."""
 
 from scripts import loss_curve
 
 
-def test_the_default_recipe_trains_its_stored_curve(tmp_path):
-    run = loss_curve.train(tmp_path)
+def test_the_default_recipe_trains_its_stored_curve(default_recipe_curve):
+    run = default_recipe_curve
     assert sorted(run["loss"]) == list(range(1, 101))
     assert sorted(run["validation_loss"]) == [50, 100]
     assert loss_curve.differences(run, loss_curve.stored(), 1e-6) == []
