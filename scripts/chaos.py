@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -75,6 +76,9 @@ class Job:
     """One launch of train.py on `nproc` ranks, started directly (not by torchrun) with the
     environment torchrun would set, each rank's output in `{dump_folder}/logs/launch-K-rank-R.log`."""
 
+    # How each rank's process starts (the tests fork it from their fork server: tests/launch.py).
+    popen: Callable[..., subprocess.Popen] = subprocess.Popen
+
     def __init__(self, nproc: int, dump_folder: Path, *args: str, world_size: int | None = None) -> None:
         """Ranks 0 to nproc-1 of a world of `world_size` (default: nproc) ranks."""
         port = free_port()
@@ -98,9 +102,7 @@ class Job:
             )
             cmd = [sys.executable, str(ROOT / "train.py"), *args, "--job.dump_folder", str(dump_folder)]
             with open(self.logs[rank], "w") as log:
-                self.procs.append(
-                    subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-                )
+                self.procs.append(self.popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
 
     def output(self, rank: int = 0) -> str:
         return self.logs[rank].read_text()

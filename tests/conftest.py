@@ -7,6 +7,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from torch._inductor.runtime import cache_dir_utils
 
 _home = tempfile.mkdtemp(prefix="titan-tests-home-")
 os.environ["WANDB_MODE"] = "disabled"
@@ -15,6 +16,9 @@ os.environ["HF_HOME"] = os.path.join(_home, "hf")
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TIKTOKEN_CACHE_DIR"] = ""
+# torch.compile in this process writes inductor's cache folder into os.environ on first use: set now,
+# the environment of the commands the tests launch stays the fork server's (tests/launch.py).
+cache_dir_utils.cache_dir()
 
 LOSS_CURVE_TEST = "test_the_default_recipe_trains_its_stored_curve"
 _loss_curve_run = pytest.StashKey[tuple]()
@@ -37,6 +41,16 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if process is not None and process.poll() is None:  # its test did not run (a failure under -x)
         process.kill()
         process.wait()
+
+
+@pytest.fixture(autouse=True)
+def forked_chaos_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """scripts/chaos.py's ranks are forked from the fork server (tests/launch.py's start_forked)."""
+    from launch import start_forked
+
+    from scripts import chaos
+
+    monkeypatch.setattr(chaos.Job, "popen", staticmethod(start_forked))
 
 
 @pytest.fixture

@@ -5,6 +5,10 @@ no stdin, as a new interpreter would be, without the seconds each spends importi
 only imports: no Python thread runs, and no op has started torch's thread pools, when it forks. A
 command still running at its timeout is killed with its process group.
 
+scripts/chaos.py's ranks are started too (kind "start"), as subprocess.Popen would start them, when
+their environment is the server's but for the variables a rank is given (RANK, MASTER_PORT...): the
+server answers with the pid at once, and with the exit codes when polled ("poll").
+
 torchrun's workers (under torchrun or torchtitan.reliability.launcher, which runs torchrun's agent
 in its process) are forked too, from the agent, when the command's environment is the server's own
 (what a module read from it at import is then what a new interpreter would read): each worker is
@@ -35,6 +39,8 @@ warnings.filterwarnings("ignore", "'torch.distributed.run' found in sys.modules"
 SERVER_ENV = dict(os.environ)
 LAUNCHERS = ("torch.distributed.run", "torchtitan.reliability.launcher")
 WORKER_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+# What a rank's environment adds to its launcher's (as torchrun or scripts/chaos.py sets it).
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def run(kind: str, target: str, argv: list[str]) -> None:
@@ -102,6 +108,24 @@ class ForkedWorker:
         return self.returncode
 
 
+def reopen_stdio(unbuffered: bool) -> None:
+    """sys.stdout and sys.stderr anew over their file descriptors, as a new interpreter opens them for
+    a file or a pipe: stdout block-buffered, stderr line-buffered; with `python -u` (or PYTHONUNBUFFERED)
+    both written through to the file descriptor, no buffer."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if unbuffered:
+            binary = io.FileIO(stream.fileno(), "w", closefd=False)
+        else:
+            binary = io.BufferedWriter(io.FileIO(stream.fileno(), "w", closefd=False))
+        line_buffering = name == "stderr" and not unbuffered
+        reopened = io.TextIOWrapper(
+            binary, stream.encoding, stream.errors, line_buffering=line_buffering, write_through=unbuffered
+        )
+        setattr(sys, name, reopened)
+        setattr(sys, f"__{name}__", reopened)
+
+
 def fork_worker(handler: SubprocessHandler, args: tuple, env: dict[str, str]) -> ForkedWorker:
     """SubprocessHandler._popen's stand-in: `python -u script args` forked from the agent."""
     python, unbuffered, script, *argv = args
@@ -115,15 +139,10 @@ def fork_worker(handler: SubprocessHandler, args: tuple, env: dict[str, str]) ->
         os.setsid()
         for sig in WORKER_SIGNALS:  # the agent's handlers; a new interpreter's defaults
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
-        for name, target in (("stdout", handler._stdout), ("stderr", handler._stderr)):
-            stream = getattr(sys, name)
+        for stream, target in ((sys.stdout, handler._stdout), (sys.stderr, handler._stderr)):
             if target is not None:
                 os.dup2(target.fileno(), stream.fileno())
-            # As `python -u` makes them: text written through to the file descriptor, no buffer.
-            raw = io.FileIO(stream.fileno(), "w", closefd=False)
-            unbuffered = io.TextIOWrapper(raw, stream.encoding, stream.errors, write_through=True)
-            setattr(sys, name, unbuffered)
-            setattr(sys, f"__{name}__", unbuffered)
+        reopen_stdio(unbuffered=True)
         os.environ.clear()
         os.environ.update(env)
         sys.orig_argv = list(args)
@@ -133,9 +152,52 @@ def fork_worker(handler: SubprocessHandler, args: tuple, env: dict[str, str]) ->
     run_then_exit("script", script, argv)
 
 
-def server_environment(env: dict[str, str]) -> bool:
-    """Whether `env` is the server's (pytest's name for the running test aside)."""
-    return {**env, "PYTEST_CURRENT_TEST": ""} == {**SERVER_ENV, "PYTEST_CURRENT_TEST": ""}
+def start(script: str, argv: list[str], env: dict[str, str], cwd: str, log: str) -> int | None:
+    """`python script argv` as subprocess.Popen starts it, in the caller's process group, with no
+    stdin and its output written to the file `log` (from its start): forked from this process, its
+    pid; None, and nothing started, where `env` is not the server's but for RANK_VARIABLES and
+    PYTHONUNBUFFERED (which only sets how stdio buffers)."""
+    if not server_environment(env, differing=(*RANK_VARIABLES, "PYTHONUNBUFFERED")):
+        return None
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        os.chdir(cwd)
+        output = os.open(log, os.O_WRONLY)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.dup2(output, 1)
+        os.dup2(output, 2)
+        reopen_stdio(unbuffered=bool(env.get("PYTHONUNBUFFERED")))
+        os.environ.clear()
+        os.environ.update(env)
+        sys.orig_argv = [sys.executable, script, *argv]
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    run_then_exit("script", script, argv)
+
+
+def poll(started: dict[int, int | None], pids: list[int]) -> list[int | None]:
+    """The exit codes of processes `start` forked (negative: the signal that ended one), None for one
+    still running; `started` keeps those already reaped."""
+    for pid in pids:
+        if started.get(pid) is None:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                started[pid] = os.waitstatus_to_exitcode(status)
+    return [started[pid] for pid in pids]
+
+
+def server_environment(env: dict[str, str], differing: tuple[str, ...] = ()) -> bool:
+    """Whether `env` is the server's, pytest's name for the running test and the variables `differing`
+    aside."""
+    aside = ("PYTEST_CURRENT_TEST", *differing)
+    return {k: v for k, v in env.items() if k not in aside} == {
+        k: v for k, v in SERVER_ENV.items() if k not in aside
+    }
 
 
 def warm(target: str) -> None:
@@ -143,46 +205,64 @@ def warm(target: str) -> None:
     runpy.run_path(target)
 
 
+def run_command(
+    kind: str, target: str, argv: list[str], env: dict, cwd: str, timeout: float, file_size_limit: int | None
+) -> list:
+    """The command run to its end in a forked child: [exit code, stdout, stderr, whether it timed out]."""
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setpgid(0, 0)
+            os.chdir(cwd)
+            os.environ.clear()
+            os.environ.update(env)
+            os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            if file_size_limit is not None:  # a write past it fails with EFBIG (CPython ignores SIGXFSZ)
+                resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
+            if kind == "module" and target in LAUNCHERS and server_environment(env):
+                SubprocessHandler._popen = fork_worker
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+        run_then_exit(kind, target, argv)
+    deadline, timed_out = time.monotonic() + timeout, False
+    while not (done := os.waitpid(pid, os.WNOHANG))[0]:
+        if time.monotonic() > deadline:
+            os.killpg(pid, signal.SIGKILL)
+            done, timed_out = os.waitpid(pid, 0), True
+            break
+        time.sleep(0.02)
+    out.seek(0)
+    err.seek(0)
+    reply = [os.waitstatus_to_exitcode(done[1]), out.read(), err.read(), timed_out]
+    out.close()
+    err.close()
+    return reply
+
+
 def serve() -> None:
+    """One JSON request per line of stdin, {"kind": ..., then the kind's arguments}; one JSON reply per
+    line of stdout."""
+    started: dict[int, int | None] = {}
     for line in sys.stdin:
-        kind, target, argv, env, cwd, timeout, file_size_limit = json.loads(line)
+        request = json.loads(line)
+        kind = request.pop("kind")
         if kind == "warm":
-            warm(target)
-            print("[]", flush=True)
-            continue
-        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        sys.stdout.flush()
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.setpgid(0, 0)
-                os.chdir(cwd)
-                os.environ.clear()
-                os.environ.update(env)
-                os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-                os.dup2(out.fileno(), 1)
-                os.dup2(err.fileno(), 2)
-                if file_size_limit is not None:  # a write past it fails with EFBIG (CPython ignores SIGXFSZ)
-                    resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
-                if kind == "module" and target in LAUNCHERS and server_environment(env):
-                    SubprocessHandler._popen = fork_worker
-            except BaseException:
-                traceback.print_exc()
-                os._exit(1)
-            run_then_exit(kind, target, argv)
-        deadline, timed_out = time.monotonic() + timeout, False
-        while not (done := os.waitpid(pid, os.WNOHANG))[0]:
-            if time.monotonic() > deadline:
-                os.killpg(pid, signal.SIGKILL)
-                done, timed_out = os.waitpid(pid, 0), True
-                break
-            time.sleep(0.02)
-        out.seek(0)
-        err.seek(0)
-        reply = [os.waitstatus_to_exitcode(done[1]), out.read(), err.read(), timed_out]
+            warm(**request)
+            reply = None
+        elif kind == "start":
+            reply = start(**request)
+        elif kind == "poll":
+            reply = poll(started, **request)
+        else:
+            reply = run_command(kind, **request)
+        if kind == "start" and reply is not None:
+            started[reply] = None
         print(json.dumps(reply), flush=True)
-        out.close()
-        err.close()
 
 
 if __name__ == "__main__":

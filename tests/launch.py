@@ -9,8 +9,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,8 +76,8 @@ class ForkServer:
         )
         self.warmed: set[str] = set()
 
-    def request(self, *request) -> list:
-        self.process.stdin.write(json.dumps(request) + "\n")
+    def request(self, kind: str, **arguments):  # noqa: ANN201 (the kind's JSON reply)
+        self.process.stdin.write(json.dumps({"kind": kind, **arguments}) + "\n")
         self.process.stdin.flush()
         reply = self.process.stdout.readline()
         if not reply:
@@ -97,15 +99,25 @@ class ForkServer:
             script = next((a for a in argv if a.endswith(".py")), None)
         else:
             script = target.split("::")[0]  # "ranks": file::function
-        if script is not None and script not in self.warmed:
-            self.request("warm", script, [], {}, str(ROOT), 0, None)
-            self.warmed.add(script)
+        if script is not None:
+            self.warm(script)
         returncode, stdout, stderr, timed_out = self.request(
-            kind, target, argv, env, str(ROOT), timeout, file_size_limit
+            kind,
+            target=target,
+            argv=argv,
+            env=env,
+            cwd=str(ROOT),
+            timeout=timeout,
+            file_size_limit=file_size_limit,
         )
         if timed_out:
             raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
         return subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
+
+    def warm(self, script: str) -> None:
+        if script not in self.warmed:
+            self.request("warm", target=script)
+            self.warmed.add(script)
 
     def close(self) -> None:
         self.process.stdin.close()
@@ -114,6 +126,13 @@ class ForkServer:
 
 
 _fork_server: list[ForkServer] = []  # started by the first command
+
+
+def fork_server() -> ForkServer:
+    if not _fork_server:
+        _fork_server.append(ForkServer())
+        atexit.register(_fork_server[0].close)
+    return _fork_server[0]
 
 
 def run_forked(
@@ -127,10 +146,46 @@ def run_forked(
     """`python -m target argv` (kind "module") or `python target argv` ("script"), in ROOT with the
     environment `env`, as a child of the fork server: as subprocess.run with captured output would.
     `file_size_limit` (bytes): RLIMIT_FSIZE in the command's process, and so in the processes it starts."""
-    if not _fork_server:
-        _fork_server.append(ForkServer())
-        atexit.register(_fork_server[0].close)
-    return _fork_server[0].run(kind, target, argv, env, timeout, file_size_limit)
+    return fork_server().run(kind, target, argv, env, timeout, file_size_limit)
+
+
+class StartedProcess:
+    """What scripts/chaos.py uses of a rank's Popen, for a process the fork server started."""
+
+    def __init__(self, pid: int, args: list[str]) -> None:
+        self.pid, self.args, self.returncode = pid, args, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            (self.returncode,) = fork_server().request("poll", pids=[self.pid])
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.01)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # as Popen: not to a pid that may have been reused
+            os.kill(self.pid, sig)
+
+
+def start_forked(args: list[str], env: dict[str, str], cwd: Path, stdout: IO, stderr: int) -> Any:
+    """subprocess.Popen(args, env=env, cwd=cwd, stdout=stdout, stderr=subprocess.STDOUT) for args
+    `[python, script, ...]` and stdout a file (scripts/chaos.py's Job.popen): the process forked from
+    the fork server, which imported the script once, where env is the server's but for what a rank
+    is given (tests/fork_server.py's start); a new interpreter otherwise."""
+    python, script, *argv = args
+    assert python == sys.executable and stderr == subprocess.STDOUT, args
+    server = fork_server()
+    server.warm(script)
+    pid = server.request("start", script=script, argv=argv, env=env, cwd=str(cwd), log=stdout.name)
+    if pid is None:
+        return subprocess.Popen(args, env=env, cwd=cwd, stdout=stdout, stderr=stderr)
+    return StartedProcess(pid, args)
 
 
 def spawn_forked(function: Callable[..., None], nprocs: int, *args: int | str, timeout: float = 300) -> None:
