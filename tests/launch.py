@@ -9,10 +9,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
+
+from fork_server import ForkedWorker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -149,23 +150,13 @@ def run_forked(
     return fork_server().run(kind, target, argv, env, timeout, file_size_limit)
 
 
-class StartedProcess:
-    """What scripts/chaos.py uses of a rank's Popen, for a process the fork server started."""
-
-    def __init__(self, pid: int, args: list[str]) -> None:
-        self.pid, self.args, self.returncode = pid, args, None
+class StartedProcess(ForkedWorker):
+    """What scripts/chaos.py uses of a rank's Popen, for a process the fork server started (and reaps:
+    it asks the server)."""
 
     def poll(self) -> int | None:
         if self.returncode is None:
             (self.returncode,) = fork_server().request("poll", pids=[self.pid])
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(0.01)
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
