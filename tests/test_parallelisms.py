@@ -442,6 +442,10 @@ def _mesh_worker(rank: int, world_size: int, tmp_dir: str) -> None:
             }
             # Every dp rank gets the same batch, so the dp-averaged gradients are its gradients.
             results[f"{case}_step"] = _loss_and_grads(model, tokens, dims.loss_parallel_enabled)
+            results[f"{case}_local_shapes"] = {
+                clean_fqn(n): (p.to_local().shape, p.grad.to_local().shape)
+                for n, p in model.named_parameters()
+            }
             if case == "tp":
                 results["chunked_function"] = _chunked_function_diffs(mesh["tp"])
 
@@ -634,6 +638,15 @@ def test_tp_plan_placements(mesh_results):
     assert tp["layers.0.attention_norm.weight"] == (Replicate(),)  # sequence parallel
     assert fsdp_tp["layers.0.attention_norm.weight"] == (Shard(0), Replicate())
     assert fsdp_tp["layers.0.attention.wo.weight"] == (Shard(0), Shard(1))
+
+
+@pytest.mark.parametrize("case", ["tp", "fsdp_tp"])
+def test_each_rank_holds_the_gradients_of_its_shards(mesh_results, case):
+    """A rank's gradient of a parameter is the size of its shard of it: the embedding table's too,
+    whose lookup torch's DTensor differentiates into the whole table's gradient on every rank (TP alone
+    kept it so: parallelisms/vocab_parallel.py)."""
+    for name, (param, grad) in mesh_results[f"{case}_local_shapes"].items():
+        assert grad == param, name
 
 
 @pytest.mark.parametrize("case", ["tp", "fsdp_tp", "fsdp_tp_gathered"])

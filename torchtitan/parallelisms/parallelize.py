@@ -20,7 +20,6 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
@@ -35,6 +34,7 @@ from torchtitan.parallelisms.distributed import device_type
 from torchtitan.parallelisms.expert_parallel import apply_ep
 from torchtitan.parallelisms.float8 import float8_tensorwise_tp, tp_styles
 from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.vocab_parallel import vocab_parallel
 
 # torch's dtypes by the names the options take (training.mixed_precision_*, checkpoint.export_dtype).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -153,8 +153,9 @@ def apply_tp(
     `block_plan(block, styles)` is the family's plan of a block (its ModelSpec's `tp_plan`), taking
     each module's style classes from `styles(module)`; a tied output layer keeps the embeddings'
     weight (both are sharded along the vocabulary)."""
+    if model.tok_embeddings is not None:  # its rows split along the vocabulary, output Shard(1)
+        model.tok_embeddings = vocab_parallel(model.tok_embeddings, tp_mesh)
     root_plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         "output": ColwiseParallel(
             input_layouts=Shard(1),
