@@ -327,6 +327,25 @@ class Result:
         return self.error is None and all(diff <= tol for diff in diffs)
 
 
+LAUNCH_LOG = "launch.log"  # a failed launch's output, in its dump folder
+
+
+def last_words(output: str) -> str:
+    """A failed launch's error in one line: its root cause as torchrun's summary of the failure gives
+    it (the worker's error), or else the last line it printed."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    causes = [line.split(":", 1)[1].strip() for line in lines if line.startswith("traceback :")]
+    if causes and not causes[-1].startswith("To enable traceback"):
+        return causes[-1]
+    return lines[-1] if lines else "no output"
+
+
+def launch_output(folder: Path, chars: int = 6000) -> str:
+    """The end of the output of the launch that failed in `folder`, if one did."""
+    log = folder / LAUNCH_LOG
+    return log.read_text()[-chars:] if log.exists() else ""
+
+
 def run(folder: Path, nproc: int, argv: list[str]) -> tuple[list[dict] | None, str | None, float]:
     """(per-step metrics, error, seconds) of one launch of train.py; the validation losses by step
     are added to the metrics of their step."""
@@ -334,8 +353,9 @@ def run(folder: Path, nproc: int, argv: list[str]) -> tuple[list[dict] | None, s
     result = run_train(nproc, folder, *argv, timeout=900)
     seconds = time.perf_counter() - start
     if result.returncode != 0:
-        lines = (result.stderr or result.stdout).strip().splitlines() or ["no output"]
-        return None, f"exit {result.returncode}: {lines[-1]}", seconds
+        output = result.stdout + result.stderr
+        (folder / LAUNCH_LOG).write_text(output)
+        return None, f"exit {result.returncode}: {last_words(result.stderr or result.stdout)}", seconds
     metrics = read_metrics(folder)
     for record in metrics:
         record["validation_loss"] = validation_losses(folder).get(record["step"])

@@ -16,6 +16,7 @@ in its process) are forked too, from the agent, when the command's environment i
 Popen would make it (tests/test_launch.py compares the two); the script's imports were made once,
 here."""
 
+import faulthandler
 import io
 import json
 import os
@@ -126,6 +127,13 @@ def reopen_stdio(unbuffered: bool) -> None:
         setattr(sys, f"__{name}__", reopened)
 
 
+# The agent runs threads when it forks its workers (its rendezvous' keep-alive timer, its TCP store's):
+# a lock one of them held then stays held in the worker. A worker hung so (or any other way) prints
+# its threads' stacks this long after its start, before the first step's timeout (comm's
+# init_timeout_seconds, 300 s) ends the run: the launch's output then says where it hung.
+WORKER_STACKS_AFTER_S = 240
+
+
 def fork_worker(handler: SubprocessHandler, args: tuple, env: dict[str, str]) -> ForkedWorker:
     """SubprocessHandler._popen's stand-in: `python -u script args` forked from the agent."""
     python, unbuffered, script, *argv = args
@@ -143,6 +151,7 @@ def fork_worker(handler: SubprocessHandler, args: tuple, env: dict[str, str]) ->
             if target is not None:
                 os.dup2(target.fileno(), stream.fileno())
         reopen_stdio(unbuffered=True)
+        faulthandler.dump_traceback_later(WORKER_STACKS_AFTER_S)
         os.environ.clear()
         os.environ.update(env)
         sys.orig_argv = list(args)

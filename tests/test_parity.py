@@ -28,6 +28,8 @@ from scripts.parity_matrix import (
     Layout,
     cp,
     ep,
+    last_words,
+    launch_output,
     pp,
     run_layout,
     tp,
@@ -103,7 +105,26 @@ CI_LAYOUTS = [
 @pytest.mark.parametrize("layout", CI_LAYOUTS, ids=lambda layout: layout.name)
 def test_layout_matches_single_process(layout, reference_run, tmp_path):
     result = run_layout(layout, tmp_path, STEPS, reference_run(layout.global_batch, layout.model))
-    assert result.error is None, result.error
+    assert result.error is None, f"{result.error}\n{launch_output(tmp_path)}"
     assert result.max_loss_diff <= TOL and result.max_grad_norm_diff <= TOL, result
     assert result.max_validation_diff <= TOL and result.max_moe_diff <= TOL, result
     assert result.step1_loss_diff <= 1e-6, result  # the same init and data: at most float rounding
+
+
+def test_a_failed_launch_is_named_by_its_root_cause():
+    """The one line a failed layout reports: the worker's error from torchrun's summary, not the
+    agent's exception before it; the last line printed where the summary has none."""
+    summary = [
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "=" * 60,
+        "Failures:",
+        "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html",
+        "Root Cause (first observed failure):",
+        "  traceback : error: parallelism: the world size 2 is not divisible by 3",
+        "=" * 60,
+    ]
+    assert last_words("\n".join(summary)) == "error: parallelism: the world size 2 is not divisible by 3"
+    assert (
+        last_words("Traceback (most recent call last):\nRuntimeError: timed out\n\n")
+        == "RuntimeError: timed out"
+    )
