@@ -10,11 +10,11 @@ their environment is the server's but for the variables a rank is given (RANK, M
 server answers with the pid at once, and with the exit codes when polled ("poll").
 
 torchrun's workers (under torchrun or torchtitan.reliability.launcher, which runs torchrun's agent
-in its process) are forked too, from the agent, when the command's environment is the server's own
-(what a module read from it at import is then what a new interpreter would read): each worker is
-`python -u script args` in a session of its own, its exit code reported to the agent, as torchrun's
-Popen would make it (tests/test_launch.py compares the two); the script's imports were made once,
-here."""
+in its process) are forked too, by the agent before it starts a thread (WorkerShells), when the
+command's environment is the server's own (what a module read from it at import is then what a new
+interpreter would read): each worker is `python -u script args` in a session of its own, its exit
+code reported to the agent, as torchrun's Popen would make it (tests/test_launch.py compares the
+two); the script's imports were made once, here."""
 
 import faulthandler
 import io
@@ -23,12 +23,14 @@ import os
 import resource
 import runpy
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
 import warnings
+from typing import IO
 
 import torch.distributed.run  # noqa: F401  (imported for the commands, once)
 import torch.multiprocessing
@@ -82,6 +84,8 @@ def run_then_exit(kind: str, target: str, argv: list[str]) -> None:
     except BaseException:
         traceback.print_exc()
     finally:
+        for shells in _shells:
+            shells.close()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -127,29 +131,23 @@ def reopen_stdio(unbuffered: bool) -> None:
         setattr(sys, f"__{name}__", reopened)
 
 
-# The agent runs threads when it forks its workers (its rendezvous' keep-alive timer, its TCP store's):
-# a lock one of them held then stays held in the worker. A worker hung so (or any other way) prints
-# its threads' stacks this long after its start, before the first step's timeout (comm's
-# init_timeout_seconds, 300 s) ends the run: the launch's output then says where it hung.
+# A worker hung (by a lock it inherited, or any other way) prints its threads' stacks this long after
+# its start, before the first step's timeout (comm's init_timeout_seconds, 300 s) ends the run: the
+# launch's output then says where it hung.
 WORKER_STACKS_AFTER_S = 240
 
 
-def fork_worker(handler: SubprocessHandler, args: tuple, env: dict[str, str]) -> ForkedWorker:
-    """SubprocessHandler._popen's stand-in: `python -u script args` forked from the agent."""
-    python, unbuffered, script, *argv = args
-    assert (python, unbuffered) == (sys.executable, "-u"), args
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid:
-        return ForkedWorker(pid, args)
+def become_worker(args: tuple, env: dict[str, str], stdout: int | None, stderr: int | None) -> None:
+    """This forked process becomes torchrun's worker `python -u script args` (stdout and stderr: file
+    descriptors to write to, or None to keep this process's); it never returns."""
+    _, _, script, *argv = args
     try:
         os.setsid()
         for sig in WORKER_SIGNALS:  # the agent's handlers; a new interpreter's defaults
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
-        for stream, target in ((sys.stdout, handler._stdout), (sys.stderr, handler._stderr)):
+        for stream, target in ((sys.stdout, stdout), (sys.stderr, stderr)):
             if target is not None:
-                os.dup2(target.fileno(), stream.fileno())
+                os.dup2(target, stream.fileno())
         reopen_stdio(unbuffered=True)
         faulthandler.dump_traceback_later(WORKER_STACKS_AFTER_S)
         os.environ.clear()
@@ -159,6 +157,93 @@ def fork_worker(handler: SubprocessHandler, args: tuple, env: dict[str, str]) ->
         traceback.print_exc()
         os._exit(1)
     run_then_exit("script", script, argv)
+
+
+class WorkerShells:
+    """Processes forked from the agent before it starts a thread, each waiting to become one of its
+    workers. Once running, the agent has threads (its rendezvous' keep-alive timer, its TCP store's): a
+    process forked then inherits any lock one of them holds, held for good. A shell is the agent's
+    child, as a worker forked then would be (its pid, its exit code, its parent's death signal), but
+    forked while nothing held a lock. Each takes its worker's arguments, environment and output files
+    over a socket; past the shells made, workers are forked from the agent."""
+
+    def __init__(self, count: int) -> None:
+        self.idle: list[tuple[int, socket.socket]] = []
+        for _ in range(count):
+            agent_end, shell_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            pid = os.fork()
+            if pid == 0:
+                agent_end.close()
+                for _, other in self.idle:
+                    other.close()
+                self._wait(shell_end)
+            shell_end.close()
+            self.idle.append((pid, agent_end))
+
+    @staticmethod
+    def _wait(shell_end: socket.socket) -> None:
+        """In a shell: become the worker the agent sends, or end with the agent (its socket closed)."""
+        try:
+            message, fds, _, _ = socket.recv_fds(shell_end, 1 << 20, 2)
+            if not message:
+                os._exit(0)
+            spec = json.loads(message)
+            received = iter(fds)
+            outputs = [next(received) if present else None for present in spec["outputs"]]
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+        become_worker(tuple(spec["args"]), spec["env"], *outputs)
+
+    def close(self) -> None:
+        """The idle shells ended (their sockets closed) and reaped."""
+        for pid, agent_end in self.idle:
+            agent_end.close()
+            os.waitpid(pid, 0)
+        self.idle = []
+
+    def start(self, args: tuple, env: dict[str, str], stdout: IO | None, stderr: IO | None) -> int | None:
+        """An idle shell made the worker: its pid; None where none is left."""
+        if not self.idle:
+            return None
+        pid, agent_end = self.idle.pop(0)
+        outputs = [stream for stream in (stdout, stderr) if stream is not None]
+        spec = {"args": list(args), "env": env, "outputs": [stdout is not None, stderr is not None]}
+        socket.send_fds(agent_end, [json.dumps(spec).encode()], [stream.fileno() for stream in outputs])
+        agent_end.close()
+        return pid
+
+
+_shells: list[WorkerShells] = []  # the agent's, made before it runs
+
+
+def fork_worker(handler: SubprocessHandler, args: tuple, env: dict[str, str]) -> ForkedWorker:
+    """SubprocessHandler._popen's stand-in: `python -u script args` started by one of the agent's
+    WorkerShells, or forked from the agent when none is left."""
+    python, unbuffered, _, *_ = args
+    assert (python, unbuffered) == (sys.executable, "-u"), args
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = _shells[0].start(args, env, handler._stdout, handler._stderr) if _shells else None
+    if pid is None:
+        pid = os.fork()
+        if pid == 0:
+            for _, agent_end in _shells[0].idle if _shells else ():
+                agent_end.close()  # the idle shells end with the agent, not with this worker
+            _shells.clear()
+            stdout, stderr = (None if f is None else f.fileno() for f in (handler._stdout, handler._stderr))
+            become_worker(args, env, stdout, stderr)
+    return ForkedWorker(pid, args)
+
+
+def workers_of(argv: list[str]) -> int:
+    """The workers a launcher's command line asks for (--nproc_per_node N or =N); 0 where not given."""
+    for i, arg in enumerate(argv):
+        name, _, value = arg.partition("=")
+        if name in ("--nproc_per_node", "--nproc-per-node"):
+            value = value or (argv[i + 1] if i + 1 < len(argv) else "")
+            return int(value) if value.isdigit() else 0
+    return 0
 
 
 def start(script: str, argv: list[str], env: dict[str, str], cwd: str, log: str) -> int | None:
@@ -234,6 +319,9 @@ def run_command(
                 resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
             if kind == "module" and target in LAUNCHERS and server_environment(env):
                 SubprocessHandler._popen = fork_worker
+                # Shells for the workers and for as many again (a restart), made while this process
+                # runs no thread.
+                _shells.append(WorkerShells(2 * workers_of(argv)))
         except BaseException:
             traceback.print_exc()
             os._exit(1)
