@@ -1,7 +1,7 @@
 """tests/fork_server.py's forked torchrun workers are what torchrun's new interpreters are to the
 program they run: the same argv, sys.path, environment, session, signal handlers and stdio, and
-their exit codes reach torchrun as theirs. So are the ranks it starts for scripts/chaos.py, to
-subprocess.Popen's."""
+their exit codes reach torchrun as theirs; and they were forked before the agent ran a thread. So
+are the ranks it starts for scripts/chaos.py, to subprocess.Popen's."""
 
 import json
 import os
@@ -26,10 +26,22 @@ def process_group():
     return "the caller's" if sys.argv[2:] == [str(os.getpgid(0))] else "another"  # argv: the caller's
 
 
+# Whether this process began before every thread of its parent (the agent) but the first: forked, it
+# inherited no lock one of them held. Start times in clock ticks since boot, /proc's 22nd field.
+def started_before_the_agents_threads():
+    def start(stat):
+        with open(stat) as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    agent = os.getppid()
+    threads = [t for t in os.listdir(f"/proc/{agent}/task") if int(t) != agent]
+    return all(start("/proc/self/stat") <= start(f"/proc/{agent}/task/{t}/stat") for t in threads)
+
+
 def main():
     rank = int(os.environ["RANK"])
     seen = {
         "forked": FORKED,
+        "before the agent's threads": started_before_the_agents_threads(),
         "argv": sys.argv,
         "orig_argv": sys.orig_argv[1:],
         "path0": sys.path[0],
@@ -66,6 +78,10 @@ def test_forked_workers_see_what_new_interpreters_see(tmp_path):
     forked, forked_out = launch(tmp_path / "forked", launch_env())
     new, new_out = launch(tmp_path / "new", launch_env(TITAN_TEST_NEW_INTERPRETERS="1"))
     assert [rank.pop("forked") for rank in forked + new] == [True, True, False, False]
+    # Forked while the agent ran one thread (fork_server.WorkerShells); new interpreters start later.
+    assert [rank.pop("before the agent's threads") for rank in forked] == [True, True]
+    for rank in new:
+        rank.pop("before the agent's threads")
     assert forked == new
     for out in (forked_out, new_out):
         assert "rank 0 ends with 0" in out and "rank 1 ends with 3" in out
@@ -94,6 +110,10 @@ def test_started_ranks_see_what_popen_ranks_see(tmp_path):
     forked, forked_out = start_ranks(tmp_path / "forked", start_forked)
     new, new_out = start_ranks(tmp_path / "new", subprocess.Popen)
     assert [rank.pop("forked") for rank in forked + new] == [True, True, False, False]
+    # Forked while the agent ran one thread (fork_server.WorkerShells); new interpreters start later.
+    assert [rank.pop("before the agent's threads") for rank in forked] == [True, True]
+    for rank in new:
+        rank.pop("before the agent's threads")
     assert forked == new
     assert forked[0]["process group"] == "the caller's"
     assert forked_out == new_out == ["rank 0 ends with 0\n", "rank 1 ends with 3\n"]
