@@ -353,8 +353,7 @@ def run(folder: Path, nproc: int, argv: list[str]) -> tuple[list[dict] | None, s
     result = run_train(nproc, folder, *argv, timeout=900)
     seconds = time.perf_counter() - start
     if result.returncode != 0:
-        output = result.stdout + result.stderr
-        (folder / LAUNCH_LOG).write_text(output)
+        (folder / LAUNCH_LOG).write_text(result.stdout + result.stderr)
         return None, f"exit {result.returncode}: {last_words(result.stderr or result.stdout)}", seconds
     metrics = read_metrics(folder)
     for record in metrics:

@@ -220,7 +220,7 @@ _shells: list[WorkerShells] = []  # the agent's, made before it runs
 def fork_worker(handler: SubprocessHandler, args: tuple, env: dict[str, str]) -> ForkedWorker:
     """SubprocessHandler._popen's stand-in: `python -u script args` started by one of the agent's
     WorkerShells, or forked from the agent when none is left."""
-    python, unbuffered, _, *_ = args
+    python, unbuffered, *_ = args
     assert (python, unbuffered) == (sys.executable, "-u"), args
     sys.stdout.flush()
     sys.stderr.flush()
