@@ -53,6 +53,13 @@ STEPS, LOG_FREQ = 30, 10
 COMMON = ["--checkpoint.enable_checkpoint", "false", "--validation.enable", "false", "--metrics.log_freq"]
 
 
+def flavor_with_layers(family: str, flavor: str, n_layers: int) -> str:
+    """Register `flavor` cut to n_layers under a new name (a flavour of this process only)."""
+    flavors = MODEL_SPECS[family].flavors
+    flavors[f"{flavor}-{n_layers}layers"] = replace(flavors[flavor], n_layers=n_layers)
+    return f"{flavor}-{n_layers}layers"
+
+
 def train_figures(
     out: Path, name: str, argv: list[str], small: bool, layers: tuple[str, str, int] | None
 ) -> dict:
@@ -71,10 +78,7 @@ def train_figures(
         if not torch.cuda.is_available():  # bf16 matmuls are slow on most CPUs
             argv += ["--training.mixed_precision_param", "float32"]
     elif layers is not None:
-        family, flavor, n_layers = layers
-        flavors = MODEL_SPECS[family].flavors
-        flavors[f"{flavor}-{n_layers}layers"] = replace(flavors[flavor], n_layers=n_layers)
-        argv = [*argv, "--model.flavor", f"{flavor}-{n_layers}layers"]
+        argv = [*argv, "--model.flavor", flavor_with_layers(*layers)]
     dump = out / name
     steps, log_freq = (4, 2) if small else (STEPS, LOG_FREQ)
     argv = [*argv, *COMMON, str(log_freq), "--training.steps", str(steps), "--job.dump_folder", str(dump)]
@@ -405,7 +409,6 @@ def part_cp_compiled_block_causal(out: Path, small: bool) -> dict:
     import copy
 
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -414,8 +417,7 @@ def part_cp_compiled_block_causal(out: Path, small: bool) -> dict:
     from torchtitan.models.llama.model import Transformer
     from torchtitan.parallelisms.context_parallel import apply_cp
 
-    if not hasattr(funcol, "all_gather_single"):  # torch < 2.12 (the device machine's 2.11) names it so
-        funcol.all_gather_single = funcol.all_gather_tensor_autograd
+    _torch_2_11_names()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     os.environ.update(MASTER_ADDR="localhost", MASTER_PORT="29517")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
@@ -461,10 +463,21 @@ def part_cp_compiled_block_causal(out: Path, small: bool) -> dict:
     }  # fmt: skip
 
 
+def _torch_2_11_names() -> None:
+    """Context parallel's gather under the name torch < 2.12 (the device machine's 2.11) gives it."""
+    import torch.distributed._functional_collectives as funcol
+
+    if not hasattr(funcol, "all_gather_single"):
+        funcol.all_gather_single = funcol.all_gather_tensor_autograd
+
+
 def _train_rank(rank: int, world_size: int, port: int, argv: list[str]) -> None:
     """One rank of a job whose ranks share this machine's one GPU (a process started by mp.spawn)."""
     import torch.distributed as dist
 
+    _torch_2_11_names()
+    if "1B-2layers" in argv:
+        flavor_with_layers("llama3", "1B", 2)
     os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size))
     os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)  # train.py takes this group as it is
@@ -491,9 +504,7 @@ def part_cp2_one_gpu(out: Path, small: bool) -> dict:
     if small:
         base += ["--model.flavor", "debugmodel", "--model.vocab_size", "-1"]
     else:
-        flavors = MODEL_SPECS["llama3"].flavors
-        flavors["1B-2layers"] = replace(flavors["1B"], n_layers=2)
-        base += ["--model.flavor", "1B-2layers"]
+        base += ["--model.flavor", flavor_with_layers("llama3", "1B", 2)]  # spawned ranks register it too
     result: dict = {"device": "cuda" if torch.cuda.is_available() else "cpu", "seqlen": int(seqlen)}
     for dtype in ("float32", "bfloat16"):
         runs = {}

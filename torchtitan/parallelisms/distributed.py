@@ -55,9 +55,8 @@ def dist_mean(x: torch.Tensor, mesh: DeviceMesh | None) -> float:
     x = x.detach().float()
     if mesh is not None:
         x = x.clone()
-        dist.all_reduce(x, op=dist.ReduceOp.AVG if x.is_cuda else dist.ReduceOp.SUM, group=mesh.get_group())
-        if not x.is_cuda:
-            x /= mesh.size()
+        dist.all_reduce(x, group=mesh.get_group())  # a sum: gloo, on CPU or CUDA tensors, has no AVG
+        x /= mesh.size()
     return x.item()
 
 
