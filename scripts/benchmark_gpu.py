@@ -18,6 +18,8 @@ minutes prints one table (docs/performance.md keeps the figures, with their setu
 |  | documents) for each CP 2 rank's pieces, in one process: values and gradients vs the CPU path in fp32 |
 | cp_compiled_block_causal | CP's attention on a 1-rank mesh, compiled blocks, block_causal: vs no CP |
 | cp2_one_gpu | train.py at CP 2, two processes sharing the GPU over gloo, vs one process: fp32, bf16 losses |
+| fsdp2_one_gpu | train.py at FSDP 2 the same way, bf16, compiled, blocks gathered in bf16 and in fp32: |
+|  | losses, memory, graphs |
 | llama1b_muon | llama1b with optimizer.name Muon (bf16 Newton-Schulz) |
 | llama1b_chunked_loss | llama1b with training.loss_chunk_tokens 2048, as the recipe has it |
 | llama1b_fp8_tensorwise, llama1b_fp8_rowwise | llama1b with float8 linear layers (torchao) |
@@ -486,45 +488,74 @@ def _train_rank(rank: int, world_size: int, port: int, argv: list[str]) -> None:
         raise SystemExit(code)
 
 
-def part_cp2_one_gpu(out: Path, small: bool) -> dict:
-    """Context parallel's CUDA branch end to end: train.py at CP 2 as two processes sharing the one GPU
-    over gloo (NCCL refuses two ranks on one device), against one process, in fp32 and bf16: the
-    losses of 10 steps, eager, the 1B recipe's width with 2 layers and block_causal documents at
-    8192 tokens. Two processes on one GPU over gloo (the collectives copied through the host) say
-    nothing of CP's speed: the figure is the losses, and each rank's memory."""
+def _one_process_and_two_ranks(
+    out: Path, name: str, base: list[str], variants: dict[str, list[str]], two_ranks: list[str]
+) -> dict:
+    """Each variant of train.py in this process and as two ranks (with the options `two_ranks`)
+    sharing the one GPU over gloo (NCCL
+    refuses two ranks on one device; the collectives are copied through the host, so nothing here
+    says anything of speed): the largest loss difference, and rank 0's memory and compiled graphs
+    (graphs, breaks) in each."""
     import torch.multiprocessing as mp
 
-    seqlen = "512" if small else "8192"
-    base = [
+    result: dict = {"device": "cuda" if torch.cuda.is_available() else "cpu"}
+    for variant, extra in variants.items():
+        runs = {}
+        for ranks in (1, 2):
+            dump = out / f"{name}_{variant}_{ranks}"
+            argv = [*base, *extra, "--job.dump_folder", str(dump), *(two_ranks if ranks == 2 else [])]
+            if ranks == 1:
+                runpy.run_path(str(ROOT / "train.py"))["main"](parse_args(argv))
+            else:  # spawned: this process has CUDA initialised, which a fork could not use
+                mp.spawn(_train_rank, args=(ranks, 29531, argv), nprocs=ranks)
+            with open(dump / "metrics.jsonl") as f:
+                runs[ranks] = [r for r in map(json.loads, f) if "loss" in r]
+        one, two = runs[1], runs[2]
+        result[variant] = {
+            "max_loss_difference": f"{max(abs(a['loss'] - b['loss']) for a, b in zip(one, two)):.2e}",
+            "losses_one_process": [round(r["loss"], 5) for r in one],
+            "memory_gib_one_two": [round(one[-1]["memory_gib"], 2), round(two[-1]["memory_gib"], 2)],
+            "graphs_breaks_one_two": [
+                (r[-1].get("compiled_graphs"), r[-1].get("graph_breaks")) for r in (one, two)
+            ],
+        }
+    return result
+
+
+def _two_layers_of_1b(small: bool, seqlen: int) -> list[str]:
+    """The 1B recipe at batch 1, cut to 2 layers (the debug model with --small), 10 steps."""
+    argv = [
         "--job.config_file", str(ROOT / "train_configs" / "llama3_1b.toml"),
-        "--training.batch_size", "1", "--training.seq_len", seqlen, "--training.global_batch_size", "-1",
-        "--training.compile", "false", "--model.attn_mask_type", "block_causal",
+        "--training.batch_size", "1", "--training.seq_len", str(seqlen), "--training.global_batch_size", "-1",
         *COMMON, "1", "--training.steps", "10",
     ]  # fmt: skip
     if small:
-        base += ["--model.flavor", "debugmodel", "--model.vocab_size", "-1"]
-    else:
-        base += ["--model.flavor", flavor_with_layers("llama3", "1B", 2)]  # spawned ranks register it too
-    result: dict = {"device": "cuda" if torch.cuda.is_available() else "cpu", "seqlen": int(seqlen)}
-    for dtype in ("float32", "bfloat16"):
-        runs = {}
-        for name, cp in (("one_process", 1), ("cp2", 2)):
-            dump = out / f"cp2_one_gpu_{dtype}_{name}"
-            argv = [*base, "--training.mixed_precision_param", dtype, "--job.dump_folder", str(dump)]
-            argv += ["--parallelism.context_parallel_degree", str(cp)]
-            if cp == 1:
-                runpy.run_path(str(ROOT / "train.py"))["main"](parse_args(argv))
-            else:  # spawned: this process has CUDA initialised, which a fork could not use
-                mp.spawn(_train_rank, args=(cp, 29531, argv), nprocs=cp)
-            with open(dump / "metrics.jsonl") as f:
-                runs[name] = [r for r in map(json.loads, f) if "loss" in r]
-        one, cp2 = runs["one_process"], runs["cp2"]
-        result[dtype] = {
-            "max_loss_difference": f"{max(abs(a['loss'] - b['loss']) for a, b in zip(one, cp2)):.2e}",
-            "losses_one_process": [round(r["loss"], 5) for r in one],
-            "memory_gib_one_process_cp2": [round(one[-1]["memory_gib"], 2), round(cp2[-1]["memory_gib"], 2)],
-        }
-    return result
+        return [*argv, "--model.flavor", "debugmodel", "--model.vocab_size", "-1"]
+    return [*argv, "--model.flavor", flavor_with_layers("llama3", "1B", 2)]  # spawned ranks register it too
+
+
+def part_cp2_one_gpu(out: Path, small: bool) -> dict:
+    """Context parallel's CUDA branch end to end: train.py at CP 2 against one process, in fp32 and
+    bf16, eager, block_causal documents at 8192 tokens: the losses, and each rank's memory."""
+    base = _two_layers_of_1b(small, 512 if small else 8192)
+    base += ["--training.compile", "false", "--model.attn_mask_type", "block_causal"]
+    variants = {dtype: ["--training.mixed_precision_param", dtype] for dtype in ("float32", "bfloat16")}
+    cp2 = ["--parallelism.context_parallel_degree", "2"]
+    return _one_process_and_two_ranks(out, "cp2_one_gpu", base, variants, cp2)
+
+
+def part_fsdp2_one_gpu(out: Path, small: bool) -> dict:
+    """The bf16 semantics under FSDP 2 (one GPU runs no FSDP): train.py at FSDP 2 against one
+    process, bf16, compiled, with the blocks gathered in bf16 (norms as fp32 units of their own) and
+    in fp32 (one unit per block): the losses, rank 0's memory and the graphs dynamo compiled."""
+    base = _two_layers_of_1b(small, 256 if small else 2048)
+    base += ["--training.compile", "true", "--training.mixed_precision_param", "bfloat16"]
+    base += [
+        "--training.global_batch_size",
+        "2",
+    ]  # the same 2 sequences a step: 2 micro-batches in one process
+    variants = {f"gather_{d}": ["--parallelism.fsdp_gather_dtype", d] for d in ("bfloat16", "float32")}
+    return _one_process_and_two_ranks(out, "fsdp2_one_gpu", base, variants, [])  # FSDP takes both ranks
 
 
 def part_host_syncs(out: Path, small: bool) -> dict:
@@ -587,6 +618,7 @@ PARTS = {  # name: (function, estimated seconds on an H100), in priority order
     "cp_attention_cuda": (part_cp_attention_cuda, 30),
     "cp_compiled_block_causal": (part_cp_compiled_block_causal, 40),
     "cp2_one_gpu": (part_cp2_one_gpu, 90),
+    "fsdp2_one_gpu": (part_fsdp2_one_gpu, 150),
     "llama1b_muon": (part_llama1b_muon, 75),
     "host_syncs": (part_host_syncs, 30),
     "llama8b_4layers": (part_llama8b_4layers, 70),
