@@ -492,10 +492,9 @@ def _one_process_and_two_ranks(
     out: Path, name: str, base: list[str], variants: dict[str, list[str]], two_ranks: list[str]
 ) -> dict:
     """Each variant of train.py in this process and as two ranks (with the options `two_ranks`)
-    sharing the one GPU over gloo (NCCL
-    refuses two ranks on one device; the collectives are copied through the host, so nothing here
-    says anything of speed): the largest loss difference, and rank 0's memory and compiled graphs
-    (graphs, breaks) in each."""
+    sharing the one GPU over gloo (NCCL refuses two ranks on one device; the collectives are copied
+    through the host, so nothing here says anything of speed): the largest loss difference, and
+    rank 0's memory and compiled graphs (graphs, breaks) in each."""
     import torch.multiprocessing as mp
 
     result: dict = {"device": "cuda" if torch.cuda.is_available() else "cpu"}
@@ -550,10 +549,8 @@ def part_fsdp2_one_gpu(out: Path, small: bool) -> dict:
     in fp32 (one unit per block): the losses, rank 0's memory and the graphs dynamo compiled."""
     base = _two_layers_of_1b(small, 256 if small else 2048)
     base += ["--training.compile", "true", "--training.mixed_precision_param", "bfloat16"]
-    base += [
-        "--training.global_batch_size",
-        "2",
-    ]  # the same 2 sequences a step: 2 micro-batches in one process
+    # The same 2 sequences a step: one on each rank, or 2 micro-batches in one process.
+    base += ["--training.global_batch_size", "2"]
     variants = {f"gather_{d}": ["--parallelism.fsdp_gather_dtype", d] for d in ("bfloat16", "float32")}
     return _one_process_and_two_ranks(out, "fsdp2_one_gpu", base, variants, [])  # FSDP takes both ranks
 
