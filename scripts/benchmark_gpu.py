@@ -29,7 +29,10 @@ minutes prints one table (docs/performance.md keeps the figures, with their setu
 A train.py part reports its last logged window (steps 21-30): tokens/s per GPU, MFU and the peak
 memory the CUDA allocator reserved, as train.py's own log line computes them, plus the graphs
 dynamo compiled (unique graphs, graph breaks). `--small` runs every part on tiny shapes on whatever
-device there is, CPU included: a check of the script before a loan, not a figure.
+device there is, CPU included: a check of the script before a loan, not a figure. Check it under the
+device machine's torch too (2.11): `python -m venv V && V/bin/pip install torch==2.11.0 numpy tomli
+tiktoken datasets tokenizers safetensors` (PyPI's CUDA build, about 5 GB, runs on the CPU), then
+`PYTHONPATH=. V/bin/python scripts/benchmark_gpu.py --small --out DIR`.
 """
 
 import argparse
