@@ -20,7 +20,7 @@ from torchtitan.load_balance import LoadBalance
 from torchtitan.logging import init_logger, logger
 from torchtitan.metrics import MetricLogger, peak_flops
 from torchtitan.models import build_model_args, model_spec
-from torchtitan.optimizer import build_lr_scheduler, build_optimizer
+from torchtitan.optimizers import build_lr_scheduler, build_optimizer
 from torchtitan.parallelisms.distributed import (
     clip_grad_norm_,
     global_mean_loss,

@@ -30,7 +30,7 @@ from torchtitan.checkpoint.state import TrainState  # noqa: E402
 from torchtitan.config.options import JobConfig  # noqa: E402
 from torchtitan.models.llama import ModelArgs  # noqa: E402
 from torchtitan.models.llama.model import Transformer  # noqa: E402
-from torchtitan.optimizer import build_lr_scheduler, build_optimizer  # noqa: E402
+from torchtitan.optimizers import build_lr_scheduler, build_optimizer  # noqa: E402
 
 MODEL = ModelArgs(dim=768, n_layers=12, n_heads=12, vocab_size=32000, multiple_of=256, max_seq_len=64)
 

@@ -24,7 +24,7 @@ def fsdp_memory(train_args: list[str]) -> dict:
 
     from torchtitan.datasets.tokenizer import build_tokenizer
     from torchtitan.models import build_model_args, model_spec
-    from torchtitan.optimizer import build_optimizer
+    from torchtitan.optimizers import build_optimizer
     from torchtitan.parallelisms.parallel_dims import ParallelDims
     from torchtitan.parallelisms.parallelize import parallelize
 

@@ -17,7 +17,7 @@ from torchtitan.checkpoint.state import TrainState
 from torchtitan.config.options import CheckpointConfig, ConfigError, JobConfig
 from torchtitan.models.llama import ModelArgs
 from torchtitan.models.llama.model import Transformer
-from torchtitan.optimizer import build_lr_scheduler, build_optimizer
+from torchtitan.optimizers import build_lr_scheduler, build_optimizer
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

@@ -6,8 +6,8 @@ from launch import ROOT
 
 from torchtitan.config.parser import parse_args
 from torchtitan.models import build_model_args, model_spec
-from torchtitan.muon import Muon, newton_schulz
-from torchtitan.optimizer import build_optimizer
+from torchtitan.optimizers import Muon, build_optimizer
+from torchtitan.optimizers.muon import newton_schulz
 
 SETTINGS = {"momentum": 0.9, "nesterov": True, "ns_steps": 5}
 

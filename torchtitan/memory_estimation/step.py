@@ -16,7 +16,7 @@ from torchtitan.load_balance import LoadBalance
 from torchtitan.memory_estimation.torch_internals import FakeTensorMode
 from torchtitan.models import build_model_args, model_spec
 from torchtitan.models import vocab_size as padded_vocab_size
-from torchtitan.optimizer import build_optimizer
+from torchtitan.optimizers import build_optimizer
 from torchtitan.parallelisms.distributed import clip_grad_norm_
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.parallelize import loss_skips_output, parallelize

@@ -1,4 +1,5 @@
-"""Optimizer and learning-rate schedule."""
+"""A job's optimizer (AdamW, Adam, or Muon with AdamW for the rest: muon.py) and its learning-rate
+schedule."""
 
 import math
 
@@ -7,7 +8,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from torchtitan.config.options import LRSchedulerConfig, OptimizerConfig
-from torchtitan.muon import Muon, is_muon_parameter
+from torchtitan.optimizers.muon import Muon, is_muon_parameter
 
 
 def build_optimizer(
