@@ -2,7 +2,6 @@
 no host-device sync in a training step that does not log."""
 
 import collections
-import sys
 import traceback
 from dataclasses import replace
 
@@ -13,6 +12,7 @@ from launch import ROOT, TINY_JOB, run_train_in_process
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+from scripts.benchmarks.benchmark_gpu import part_moe_grouped_mm
 from torchtitan.metrics import MetricLogger, peak_flops
 from torchtitan.metrics import flops_per_token as flops_per_token_fn
 from torchtitan.models.llama import ModelArgs, llama3_configs
@@ -96,14 +96,9 @@ def test_vocab_size_pads_the_model_or_is_rejected(tmp_path, capsys):
 
 
 def test_gpu_benchmark_grouped_gemm_part_on_cpu(tmp_path):
-    """scripts/benchmark_gpu.py's expert-layer part, on tiny shapes on the CPU: the grouped GEMM gives
-    the per-expert loop's values exactly in float32, and in bf16 errs as the loop does."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import benchmark_gpu
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
-    result = benchmark_gpu.part_moe_grouped_mm(tmp_path, small=True)
+    """scripts/benchmarks/benchmark_gpu.py's expert-layer part, on tiny shapes on the CPU: the grouped
+    GEMM gives the per-expert loop's values exactly in float32, and in bf16 errs as the loop does."""
+    result = part_moe_grouped_mm(tmp_path, small=True)
     assert result["grouped_fp32_error"] == {"y": 0.0, "dx": 0.0}
     for key in ("y", "dx"):
         assert 0 < result["grouped_bf16_error"][key] < 0.02

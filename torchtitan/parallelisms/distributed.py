@@ -19,8 +19,8 @@ def device_type() -> str:
 def init_distributed(init_timeout_seconds: int) -> tuple[int, int, torch.device]:
     """(world size, rank, device) from torchrun's environment; a process group only if world size > 1.
 
-    NCCL on CUDA, gloo on CPU; a group the caller made first is kept (scripts/benchmark_gpu.py's two
-    ranks sharing one GPU over gloo)."""
+    NCCL on CUDA, gloo on CPU; a group the caller made first is kept (scripts/benchmarks/benchmark_gpu.py's
+    two ranks sharing one GPU over gloo)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if device_type() == "cuda":

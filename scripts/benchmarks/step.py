@@ -1,4 +1,4 @@
-"""scripts/benchmark.py's step-time rows (framework overhead, compile), and the timing the other groups
+"""benchmark.py's step-time rows (framework overhead, compile), and the timing the other groups
 share: train.py's main() run in this process and its steady step time, and the hand-written loop it is
 compared with."""
 
@@ -16,7 +16,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from torchtitan.config.parser import parse_args
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 TRAIN_ARGS = [
     "--job.config_file",

@@ -1,4 +1,4 @@
-"""scripts/benchmark.py's data rows: the loader's tokens/s against train.py's, the tokens a rank
+"""benchmark.py's data rows: the loader's tokens/s against train.py's, the tokens a rank
 tokenizes at simulated DP degrees, a streaming source at scale, the pre-tokenized loader and
 scripts/pretokenize.py's workers."""
 
@@ -7,8 +7,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmark_step import CLOCK, ROOT, TRAIN_ARGS
-
+from scripts.benchmarks.step import CLOCK, ROOT, TRAIN_ARGS
 from torchtitan.config.parser import parse_args
 
 

@@ -1,4 +1,4 @@
-"""scripts/benchmark.py's context-parallel rows: a rank's peak memory and step time on one long sequence
+"""benchmark.py's context-parallel rows: a rank's peak memory and step time on one long sequence
 at CP 2 (2 gloo ranks) against CP 1, on the CPU whatever the device (`--only context_parallel`)."""
 
 import math
@@ -6,7 +6,8 @@ import os
 from collections.abc import Callable
 
 import torch
-from benchmark_step import train_step_time
+
+from scripts.benchmarks.step import train_step_time
 
 CP_SEQ_LEN = 4096  # long enough for the activations, which CP splits, to be most of the peak
 CP_ARGS = [

@@ -1,6 +1,6 @@
 """Performance figures of the trainer, each a ratio of two things measured side by side in one run.
 
-    python scripts/benchmark.py [--out results.json] [--threads 1] [--only context_parallel]
+    python scripts/benchmarks/benchmark.py [--out results.json] [--threads 1] [--only context_parallel]
 
 | figure | ratio | goal |
 | --- | --- | --- |
@@ -32,7 +32,7 @@ on the cores stretch wall time, not CPU time; on a quiet machine the two agree),
 printed beside. The hand-written loop runs in the same process as train.py, before and after
 it, timed the same way, on the same model, batch and optimizer, with one fixed batch and torch's
 own clip_grad_norm_.
-The checkpoint figure comes from scripts/benchmark_checkpoint.py (a 134M-parameter model); the
+The checkpoint figure comes from scripts/benchmarks/checkpoint.py (a 134M-parameter model); the
 chunked-loss figures from the trainer's TrainStep on the debug model with a 128256-token vocabulary
 on 2 x 2048 tokens in fp32, peaks as scripts/estimate_memory.py --measure takes them. The MoE
 all-to-all share profiles train.py on the Qwen3-MoE debug recipe at EP 2 on 2 gloo ranks (CPU, also
@@ -62,40 +62,42 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
+# Run as a program, this folder is on sys.path: the repository root takes its place, so that the modules
+# here are the package's (scripts.benchmarks.data), never top-level ones (data).
+sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p).resolve() != ROOT / "scripts" / "benchmarks")]
 
 # One module per group of rows, each with the parts it runs in fresh processes and the rows it adds.
-sys.path.insert(0, str(ROOT / "scripts"))
-import benchmark_attention  # noqa: E402
-import benchmark_checkpoint  # noqa: E402
-import benchmark_context_parallel  # noqa: E402
-import benchmark_data  # noqa: E402
-import benchmark_memory  # noqa: E402
-import benchmark_moe  # noqa: E402
-import benchmark_optimizer  # noqa: E402
-import benchmark_step  # noqa: E402
-from benchmark_step import CLOCK, LOG_FREQ, ON_GPU, STEADY_FROM, TRAIN_ARGS, WINDOWS  # noqa: E402
-
+from scripts.benchmarks import (  # noqa: E402
+    attention,
+    checkpoint,
+    context_parallel,
+    data,
+    memory,
+    moe,
+    optimizer,
+    step,
+)
+from scripts.benchmarks.step import CLOCK, LOG_FREQ, ON_GPU, STEADY_FROM, TRAIN_ARGS, WINDOWS  # noqa: E402
 from torchtitan.config.parser import parse_args  # noqa: E402
 
 PARTS: dict[str, Callable[[str], dict]] = {
-    "overhead": benchmark_step.part_overhead,
-    "compile": benchmark_step.part_compile,
-    "data": benchmark_data.part_data,
-    "data_sharding": benchmark_data.part_data_sharding,
-    "data_streaming": benchmark_data.part_data_streaming,
-    "pretokenized": benchmark_data.part_pretokenized,
-    "checkpoint": benchmark_checkpoint.part_checkpoint,
-    "fsdp_memory": benchmark_memory.part_fsdp_memory,
-    "chunked_loss": benchmark_memory.part_chunked_loss,
-    "moe": benchmark_moe.part_moe,
-    "moe_layer": benchmark_moe.part_moe_layer,
-    "moe_all_to_all": benchmark_moe.part_moe_all_to_all,
-    "context_parallel": benchmark_context_parallel.part_context_parallel,
-    "attention_mask": benchmark_attention.part_attention_mask,
-    "adamw": benchmark_optimizer.part_adamw,
-    "muon": benchmark_optimizer.part_muon,
+    "overhead": step.part_overhead,
+    "compile": step.part_compile,
+    "data": data.part_data,
+    "data_sharding": data.part_data_sharding,
+    "data_streaming": data.part_data_streaming,
+    "pretokenized": data.part_pretokenized,
+    "checkpoint": checkpoint.part_checkpoint,
+    "fsdp_memory": memory.part_fsdp_memory,
+    "chunked_loss": memory.part_chunked_loss,
+    "moe": moe.part_moe,
+    "moe_layer": moe.part_moe_layer,
+    "moe_all_to_all": moe.part_moe_all_to_all,
+    "context_parallel": context_parallel.part_context_parallel,
+    "attention_mask": attention.part_attention_mask,
+    "adamw": optimizer.part_adamw,
+    "muon": optimizer.part_muon,
 }
 
 
@@ -154,27 +156,27 @@ def run_all(threads: int, tmp: str, only: str | None = None) -> dict:
         ROWS[only](part, add)
         return {"setup": setup, "figures": figures}
     setup["clock"] = f"{CLOCK} time" + ("" if ON_GPU else " of the measuring process (wall time in brackets)")
-    overhead = benchmark_step.overhead_rows(part, add)
-    benchmark_memory.fsdp_memory_rows(part, add)
-    benchmark_checkpoint.checkpoint_rows(part, add)
-    benchmark_data.data_rows(part, add, trained=overhead["train"])
-    benchmark_step.compile_rows(part, add)
-    benchmark_memory.chunked_loss_rows(part, add)
-    benchmark_moe.moe_rows(part, add)
-    benchmark_context_parallel.context_parallel_rows(part, add)
-    benchmark_context_parallel.cp_balance_rows(part, add)
-    benchmark_attention.attention_mask_rows(part, add)
-    benchmark_optimizer.optimizer_rows(part, add)
+    overhead = step.overhead_rows(part, add)
+    memory.fsdp_memory_rows(part, add)
+    checkpoint.checkpoint_rows(part, add)
+    data.data_rows(part, add, trained=overhead["train"])
+    step.compile_rows(part, add)
+    memory.chunked_loss_rows(part, add)
+    moe.moe_rows(part, add)
+    context_parallel.context_parallel_rows(part, add)
+    context_parallel.cp_balance_rows(part, add)
+    attention.attention_mask_rows(part, add)
+    optimizer.optimizer_rows(part, add)
     return {"setup": setup, "figures": figures}
 
 
 # The groups of rows `--only` measures alone.
 ROWS = {
-    "context_parallel": benchmark_context_parallel.context_parallel_rows,
-    "cp_balance": benchmark_context_parallel.cp_balance_rows,
-    "moe": benchmark_moe.moe_rows,
-    "attention_mask": benchmark_attention.attention_mask_rows,
-    "optimizer": benchmark_optimizer.optimizer_rows,
+    "context_parallel": context_parallel.context_parallel_rows,
+    "cp_balance": context_parallel.cp_balance_rows,
+    "moe": moe.moe_rows,
+    "attention_mask": attention.attention_mask_rows,
+    "optimizer": optimizer.optimizer_rows,
 }
 
 

@@ -4,7 +4,7 @@
 # master weights), per-block torch.compile + compiled loss, no activation checkpointing,
 # fused AdamW lr 3e-4, 20 steps, a log line every step (tps, tflops, mfu, memory).
 #
-#   bash scripts/compare_torchtitan/run.sh OUT_DIR
+#   bash scripts/benchmarks/compare_torchtitan/run.sh OUT_DIR
 #
 # cwd must be our repository root (it has .whl/ and assets/). Offline: installs .whl/*.whl into
 # /tmp/site unless torchtitan 0.3.0 is already importable from there. Writes

@@ -1,11 +1,11 @@
-"""scripts/benchmark.py's optimizer rows: a step with Muon against one with AdamW, train.py on the debug
+"""benchmark.py's optimizer rows: a step with Muon against one with AdamW, train.py on the debug
 model (its matrices with Muon, Newton-Schulz in fp32 as on CPUs), on one process and on FSDP 2, where
 each rank gathers every matrix it holds a shard of and orthogonalises it whole (docs/optimizers.md)."""
 
 import os
 from collections.abc import Callable
 
-from benchmark_step import ms, step_ratio, train_step_time
+from scripts.benchmarks.step import ms, step_ratio, train_step_time
 
 MUON = ["--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32"]
 

@@ -6,7 +6,7 @@ write for a sync save, the staging copy for an async one (the previous async sav
 before each step: a real run saves seldom enough for it to be done). One process with a process group,
 so async saves use the background writer process, as in a multi-rank run.
 
-    python scripts/benchmark_checkpoint.py [--folder /tmp/benchmark_checkpoint] [--modes disabled async]
+    python scripts/benchmarks/checkpoint.py [--folder /tmp/benchmark_checkpoint] [--modes disabled async]
 """
 
 import argparse
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, uninstalled
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from anywhere, uninstalled
 
 from torchtitan.checkpoint.manager import CheckpointManager  # noqa: E402
 from torchtitan.checkpoint.state import TrainState  # noqa: E402
@@ -77,7 +77,7 @@ def run(mode: str, folder: str, saves: int, device: torch.device) -> list[float]
 
 
 def part_checkpoint(tmp: str) -> dict:
-    """scripts/benchmark.py's checkpoint part: the steady async save's blocked time over the sync one's,
+    """benchmark.py's checkpoint part: the steady async save's blocked time over the sync one's,
     in one process with a process group (so async saves use the background writer process)."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -93,7 +93,7 @@ def part_checkpoint(tmp: str) -> dict:
 
 
 def checkpoint_rows(run_part: Callable[..., dict], add: Callable[..., None]) -> None:
-    """scripts/benchmark.py's checkpoint row."""
+    """benchmark.py's checkpoint row."""
     c = run_part("checkpoint")
     add(
         "checkpoint",

@@ -1,4 +1,4 @@
-"""scripts/benchmark.py's mixture-of-experts rows: the expert layer's grouped GEMM against a matmul per
+"""benchmark.py's mixture-of-experts rows: the expert layer's grouped GEMM against a matmul per
 expert, the Qwen3-MoE debug model's step time against a dense Qwen3 of the same active parameters, and
 the share of an expert-parallel step spent in the all-to-all."""
 
@@ -8,7 +8,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import torch
-from benchmark_step import ROOT, STEADY_FROM, ms, reference_step_time, run_train, step_ratio
+
+from scripts.benchmarks.step import ROOT, STEADY_FROM, ms, reference_step_time, run_train, step_ratio
 
 MOE_ARGS = ["--model.name", "qwen3_moe", "--model.tokenizer_path", "assets/tokenizer/kjv_bpe_hf"]
 

@@ -1,4 +1,4 @@
-"""scripts/benchmark.py's document-masking rows: block_causal against causal attention on one long
+"""benchmark.py's document-masking rows: block_causal against causal attention on one long
 sequence of packed documents, peak memory and step time (model.attn_mask_type, docs/attention.md)."""
 
 import time

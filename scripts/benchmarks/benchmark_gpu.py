@@ -2,7 +2,8 @@
 priority order, and a part that would not fit in the time left is skipped, so one call of about 8
 minutes prints one table (docs/performance.md keeps the figures, with their setup).
 
-    python scripts/benchmark_gpu.py --out DIR [--budget 480] [--only llama1b,moe_grouped_mm] [--small]
+    python scripts/benchmarks/benchmark_gpu.py --out DIR [--budget 480] [--only llama1b,moe_grouped_mm]
+        [--small]
 
 | part | what |
 | --- | --- |
@@ -32,7 +33,7 @@ dynamo compiled (unique graphs, graph breaks). `--small` runs every part on tiny
 device there is, CPU included: a check of the script before a loan, not a figure. Check it under the
 device machine's torch too (2.11): `python -m venv V && V/bin/pip install torch==2.11.0 numpy tomli
 tiktoken datasets tokenizers safetensors` (PyPI's CUDA build, about 5 GB, runs on the CPU), then
-`PYTHONPATH=. V/bin/python scripts/benchmark_gpu.py --small --out DIR`.
+`PYTHONPATH=. V/bin/python scripts/benchmarks/benchmark_gpu.py --small --out DIR`.
 """
 
 import argparse
@@ -48,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from torchtitan.config.parser import parse_args  # noqa: E402
@@ -597,12 +598,12 @@ def part_host_syncs(out: Path, small: bool) -> dict:
 
 
 def part_torchtitan_1b(out: Path, small: bool) -> dict:
-    """scripts/compare_torchtitan/run.sh: the torchtitan wheel, installed from .whl/ into its own
+    """compare_torchtitan/run.sh: the torchtitan wheel, installed from .whl/ into its own
     folder so that this repository's torchtitan/ never shadows it."""
     env = {**os.environ, "TT_SITE": "/tmp/torchtitan_site", "TT_STEPS": str(STEPS)}
     if small:
         env.update(TT_SMOKE="1", TT_STEPS="8")
-    runner = ROOT / "scripts" / "compare_torchtitan" / "run.sh"
+    runner = Path(__file__).parent / "compare_torchtitan" / "run.sh"
     subprocess.run(["bash", str(runner), str(out / "torchtitan_1b")], cwd=ROOT, env=env, timeout=200)
     summary = json.loads((out / "torchtitan_1b" / "torchtitan_summary.json").read_text())
     keep = ("tps", "mfu", "memory_gib", "steps", "exit_code", "tps_median", "mfu_ours_formula")

@@ -1,18 +1,16 @@
-"""scripts/benchmark.py's memory rows: FSDP's per-rank state, and the chunked loss's peak and time."""
+"""benchmark.py's memory rows: FSDP's per-rank state, and the chunked loss's peak and time."""
 
 import os
 import time
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from benchmark_step import TRAIN_ARGS, ms, step_ratio
 
+from scripts.benchmarks.step import ROOT, TRAIN_ARGS, ms, step_ratio
 from torchtitan.config.parser import parse_args
 
-ROOT = Path(__file__).resolve().parent.parent
 ON_GPU = torch.cuda.is_available()
 
 
