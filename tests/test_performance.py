@@ -12,7 +12,7 @@ from launch import ROOT, TINY_JOB, run_train_in_process
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from scripts.benchmarks.benchmark_gpu import part_moe_grouped_mm
+from scripts.benchmarks.gpu_kernels import part_moe_grouped_mm
 from torchtitan.metrics import MetricLogger, peak_flops
 from torchtitan.metrics import flops_per_token as flops_per_token_fn
 from torchtitan.models.llama import ModelArgs, llama3_configs
