@@ -30,17 +30,20 @@ minutes prints one table (docs/performance.md keeps the figures, with their setu
 A train.py part reports its last logged window (steps 21-30): tokens/s per GPU, MFU and the peak
 memory the CUDA allocator reserved, as train.py's own log line computes them, plus the graphs
 dynamo compiled (unique graphs, graph breaks). Each part is a function of `gpu_train.py`,
-`gpu_kernels.py` or `gpu_parallel.py`, run in a process of its own. `--small` runs every part on tiny
-shapes on whatever device there is, CPU included: a check of the script before a loan, not a figure.
-Check it under the device machine's torch too (2.11): `python -m venv V && V/bin/pip install
-torch==2.11.0 numpy tomli tiktoken datasets tokenizers safetensors` (PyPI's CUDA build, about 5 GB,
-runs on the CPU), then
+`gpu_kernels.py` or `gpu_parallel.py`, run in a process of its own; SIGTERM or Ctrl-C stops the
+running one with every process it started. `--small` runs every part on tiny shapes on whatever
+device there is, CPU included: a check of the script before a loan, not a figure; without it, a
+machine without CUDA is refused at once (one line, exit code 2). Check it under the device machine's
+torch too (2.11): `python -m venv V && V/bin/pip install torch==2.11.0 numpy tomli tiktoken datasets
+tokenizers safetensors` (PyPI's CUDA build, about 5 GB, runs on the CPU), then
 `PYTHONPATH=. V/bin/python scripts/benchmarks/benchmark_gpu.py --small --out DIR`.
 """
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -54,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p).resolve() != ROOT / "scripts" / "benchmarks")]
 
 from scripts.benchmarks import gpu_kernels, gpu_parallel, gpu_train  # noqa: E402
+from torchtitan.errors import EXIT_BAD_INPUT  # noqa: E402
 
 PARTS = {  # name: (function, estimated seconds on an H100), in priority order
     "llama1b": (gpu_train.part_llama1b, 75),
@@ -87,13 +91,7 @@ def run_parts(out: Path, names: list[str], budget: float, small: bool) -> dict:
         cmd = [sys.executable, __file__, "--part", name, "--out", str(out)] + (["--small"] if small else [])
         log = out / f"{name}.log"
         began = time.perf_counter()
-        try:
-            with open(log, "w") as f:
-                code = subprocess.run(
-                    cmd, stdout=f, stderr=subprocess.STDOUT, timeout=max(left, 1)
-                ).returncode
-        except subprocess.TimeoutExpired:
-            code = "timeout"
+        code = run_part(cmd, log, timeout=max(left, 1))
         result_file = out / f"{name}.json"
         if code == 0 and result_file.exists():
             results[name] = json.loads(result_file.read_text())
@@ -104,6 +102,24 @@ def run_parts(out: Path, names: list[str], budget: float, small: bool) -> dict:
         (out / "results.json").write_text(json.dumps(results, indent=1))
         print(f"{name}: {json.dumps(results[name])}", flush=True)
     return results
+
+
+def run_part(cmd: list[str], log: Path, timeout: float) -> int | str:
+    """`cmd`'s exit code, or "timeout" once it has run `timeout` seconds. The part runs in a process
+    group of its own, killed whole however this call ends (the part done or timed out, or this process
+    stopped by SIGTERM or Ctrl-C): a train.py part takes SIGTERM for a preemption and would finish its
+    step first, and the two-rank parts and the torchtitan comparison start processes of their own,
+    which would outlive it holding the GPU."""
+    with open(log, "w") as f:
+        part = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        return part.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout"
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the group is gone: nothing is left of the part
+            os.killpg(part.pid, signal.SIGKILL)
+        part.wait()
 
 
 def print_table(results: dict) -> None:
@@ -134,6 +150,9 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny shapes on any device: checks the script")
     parser.add_argument("--part", help=argparse.SUPPRESS)  # one part, in this process
     args = parser.parse_args()
+    if not args.small and not torch.cuda.is_available():  # else it would train the 1B model on the CPU
+        refusal = "benchmark_gpu: no CUDA device here; --small checks the script on the CPU"
+        parser.exit(EXIT_BAD_INPUT, refusal + "\n")
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("WANDB_MODE", "disabled")
     if args.part:
@@ -148,6 +167,8 @@ def main() -> None:
     if torch.cuda.is_available():
         env += f", {torch.cuda.get_device_name()}"
     print(f"benchmark_gpu: {env}", flush=True)
+    # SIGTERM leaves through run_part's `finally`, which kills the running part and what it started.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     print_table(run_parts(args.out, names, args.budget, args.small))
 
 
