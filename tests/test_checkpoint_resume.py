@@ -5,7 +5,7 @@ import shutil
 
 from launch import losses, run_train
 
-from scripts.parity_matrix import BLOCK_CAUSAL, MUON
+from scripts.parity_layouts import BLOCK_CAUSAL, MUON
 
 STEPS = ["--training.steps", "8", "--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "4"]
 

@@ -7,16 +7,8 @@ import pytest
 import torch
 from test_model import build
 
-from scripts.parity_matrix import (
-    AC_OP,
-    BLOCK_CAUSAL,
-    CHUNKED_LOSS,
-    COMPILE,
-    QWEN3_MOE_BOTH,
-    Layout,
-    ep,
-    run_layout,
-)
+from scripts.parity_layouts import AC_OP, BLOCK_CAUSAL, CHUNKED_LOSS, COMPILE, QWEN3_MOE_BOTH, Layout, ep
+from scripts.parity_matrix import run_layout
 from torchtitan.config.parser import parse_args
 from torchtitan.config_rules import check_layout
 from torchtitan.models.llama import ModelArgs

@@ -15,7 +15,8 @@ from launch import TINY_JOB, losses, run_train
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from scripts import chaos
-from scripts.parity_matrix import QWEN3_CP_CI_BLOCK, Layout, cp, run_layout
+from scripts.parity_layouts import QWEN3_CP_CI_BLOCK, Layout, cp
+from scripts.parity_matrix import run_layout
 from torchtitan.models.documents import document_positions
 from torchtitan.parallelisms.context_parallel import (
     chunked_causal_attention,

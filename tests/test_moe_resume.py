@@ -11,7 +11,7 @@ import torch
 from launch import read_metrics, run_train
 
 from scripts import chaos
-from scripts.parity_matrix import MUON, QWEN3_MOE, ep
+from scripts.parity_layouts import MUON, QWEN3_MOE, ep
 from torchtitan.checkpoint.load import read_model_weights
 
 MOE = [*QWEN3_MOE, "--moe.bias_update_rate", "0.01", "--validation.enable", "false", *MUON]

@@ -14,7 +14,7 @@ test_context_parallel.py."""
 
 import pytest
 
-from scripts.parity_matrix import (
+from scripts.parity_layouts import (
     AC_FULL,
     AC_OP,
     BLOCK_CAUSAL,
@@ -28,12 +28,10 @@ from scripts.parity_matrix import (
     Layout,
     cp,
     ep,
-    last_words,
-    launch_output,
     pp,
-    run_layout,
     tp,
 )
+from scripts.parity_matrix import last_words, launch_output, run_layout
 
 STEPS = 10  # reference_run's
 MICROBATCHES_4 = ("--parallelism.pipeline_parallel_microbatches", "4")

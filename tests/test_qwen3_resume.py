@@ -10,7 +10,7 @@ import shutil
 from launch import losses, run_train
 from test_checkpoint_checksums import assert_manifest_complete
 
-from scripts.parity_matrix import QWEN3_TIED, cp
+from scripts.parity_layouts import QWEN3_TIED, cp
 
 STEPS = ["--training.steps", "8", "--checkpoint.enable_checkpoint", "true", "--validation.enable", "false"]
 ASYNC = ["--checkpoint.async_mode", "async", "--checkpoint.interval", "2"]

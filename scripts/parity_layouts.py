@@ -1,0 +1,281 @@
+"""The layouts scripts/parity_matrix.py trains against one process, and what they are made of: the options
+each technique adds (activation checkpointing, compile, the chunked loss, each parallel degree), the
+models' options (Llama 3's debug model by default, Qwen3 tied and untied, Qwen3-MoE, long sequences,
+packed documents, Muon) and MATRIX, every layout the script runs. The tests compose their CI runs of
+the same pieces (tests/test_parity.py and others)."""
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # tests/launch.py
+from launch import VALIDATION  # noqa: E402
+
+AC_FULL = ("--activation_checkpoint.mode", "full")
+AC_OP = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")
+AC_EVERY_2 = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2")
+COMPILE = ("--training.compile", "true")
+CHUNKED_LOSS = ("--training.loss_chunk_tokens", "48")  # divides neither 64- nor 128-token micro-batches
+TP_DEGREE = "--parallelism.tensor_parallel_degree"
+PP_DEGREE = "--parallelism.pipeline_parallel_degree"
+CP_DEGREE = "--parallelism.context_parallel_degree"
+VALIDATION_BATCH = 4  # sequences per global validation batch, the same in every layout
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    nproc: int
+    batch_size: int  # per data-parallel rank and micro-batch
+    global_batch: int  # sequences per step; the reference runs them as one batch on one process
+    args: tuple[str, ...] = ()
+    # The model's options (and the sequence length), shared with the reference (default: Llama 3's).
+    model: tuple[str, ...] = ()
+    # The reference's micro-batch, in sequences (0: the whole global batch). A mixture of experts'
+    # auxiliary loss is a micro-batch's (not linear in its tokens): a pipeline's is compared with one
+    # process accumulating the same micro-batches.
+    reference_microbatch: int = 0
+
+    @property
+    def reference(self) -> tuple[int, tuple[str, ...], int]:
+        return self.global_batch, self.model, self.reference_microbatch
+
+    @property
+    def dp_degree(self) -> int:
+        args = list(self.args)
+        degrees = [
+            int(args[args.index(option) + 1])
+            for option in (TP_DEGREE, PP_DEGREE, CP_DEGREE)
+            if option in args
+        ]
+        return self.nproc // math.prod(degrees)
+
+    def argv(self, steps: int) -> list[str]:
+        return [
+            "--training.steps",
+            str(steps),
+            "--training.batch_size",
+            str(self.batch_size),
+            "--training.global_batch_size",
+            str(self.global_batch),
+            *VALIDATION,
+            "--validation.batch_size",
+            str(VALIDATION_BATCH // self.dp_degree),
+            *self.model,
+            *self.args,
+        ]
+
+
+def pp(n: int, schedule: str = "1F1B") -> tuple[str, ...]:
+    return (PP_DEGREE, str(n), "--parallelism.pipeline_parallel_schedule", schedule)
+
+
+def ep(n: int) -> tuple[str, ...]:
+    return ("--parallelism.expert_parallel_degree", str(n))
+
+
+def cp(n: int) -> tuple[str, ...]:
+    return (CP_DEGREE, str(n))
+
+
+def replicate(n: int) -> tuple[str, ...]:
+    return ("--parallelism.data_parallel_replicate_degree", str(n))
+
+
+def tp(n: int, loss_parallel: bool = True) -> tuple[str, ...]:
+    return (
+        TP_DEGREE,
+        str(n),
+        "--parallelism.enable_loss_parallel",
+        str(loss_parallel).lower(),
+    )
+
+
+FSDP_KNOBS = (
+    "--parallelism.fsdp_reshard_after_forward",
+    "always",
+    "--parallelism.fsdp_forward_prefetch",
+    "2",
+    "--parallelism.fsdp_backward_prefetch",
+    "2",
+)
+# The blocks gathered whole in fp32 (one FSDP unit and one compiled graph each), autocast rounding.
+FP32_GATHER = ("--parallelism.fsdp_gather_dtype", "float32")
+
+# Qwen3's debug flavours on the bundled tokenizer.json: embeddings tied to the output layer (as in 0.6B
+# to 4B) and untied (8B and up; pipeline stages cannot share a tied table).
+QWEN3 = ("--model.name", "qwen3", "--model.tokenizer_path", "assets/tokenizer/kjv_bpe_hf")
+QWEN3_UNTIED = (*QWEN3, "--model.flavor", "debugmodel")
+QWEN3_TIED = (*QWEN3, "--model.flavor", "debugmodel_tied")
+# Qwen3-MoE's debug flavour (8 experts, top 2, a dense first layer), its experts balanced by the auxiliary
+# loss (the default) or by DeepSeek-V3's routing bias alone.
+# Context parallelism splits sequences: long enough ones (512 tokens) that each rank's chunks span
+# many positions. The reference runs the same length.
+LONG = ("--training.seq_len", "512")
+QWEN3_LONG = (*QWEN3_UNTIED, *LONG)
+# CI's context-parallel runs (tests/): 256 tokens, still 8 chunks of 32 at CP 4, at half the time.
+QWEN3_CP_CI = (*QWEN3_UNTIED, "--training.seq_len", "256")
+QWEN3_MOE = ("--model.name", "qwen3_moe", "--model.tokenizer_path", "assets/tokenizer/kjv_bpe_hf")
+QWEN3_MOE_BIAS = (*QWEN3_MOE, "--moe.aux_loss_coef", "0", "--moe.bias_update_rate", "0.01")
+QWEN3_MOE_BOTH = (*QWEN3_MOE, "--moe.bias_update_rate", "0.01")
+# Packed documents attending within themselves (model.attn_mask_type, docs/attention.md), on documents
+# short enough (the verses of the bundled validation split, ~35 tokens) that every window holds some.
+BLOCK_CAUSAL = (
+    "--model.attn_mask_type",
+    "block_causal",
+    "--training.dataset_path",
+    "tests/assets/verses.jsonl",
+)
+# Muon for the blocks' matrices (docs/optimizers.md), its Newton-Schulz in fp32 (exact, and fast on CPUs).
+MUON = ("--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32")
+QWEN3_MOE_MUON = (*QWEN3_MOE_BOTH, *MUON)
+LLAMA_BLOCK = (*LONG, *BLOCK_CAUSAL)
+QWEN3_BLOCK = (*QWEN3_LONG, *BLOCK_CAUSAL)
+QWEN3_CP_CI_BLOCK = (*QWEN3_CP_CI, *BLOCK_CAUSAL)
+QWEN3_MOE_BLOCK = (*QWEN3_MOE, *BLOCK_CAUSAL)
+
+MATRIX = [
+    Layout("FSDP 2", 2, 2, 4),
+    Layout("DDP 2", 2, 2, 4, replicate(2)),
+    Layout("HSDP 2x2", 4, 1, 4, replicate(2)),
+    Layout("TP 2 (SP, loss parallel)", 2, 4, 4, tp(2)),
+    Layout("TP 2 (SP, gathered logits)", 2, 4, 4, tp(2, loss_parallel=False)),
+    Layout("FSDP 2 x TP 2", 4, 2, 4, tp(2)),
+    Layout("DDP 2 x TP 2", 4, 2, 4, replicate(2) + tp(2)),
+    Layout("GA 2 x batch 2 (1 process)", 1, 2, 4),
+    Layout("FSDP 2 + GA 2", 2, 1, 4),
+    Layout("HSDP 2x2 + GA 2", 4, 1, 8, replicate(2)),
+    Layout("FSDP 2, reshard always, prefetch 2", 2, 2, 4, FSDP_KNOBS),
+    Layout("FSDP 2, reshard never", 2, 2, 4, ("--parallelism.fsdp_reshard_after_forward", "never")),
+    Layout("FSDP 2, gathered in fp32 + compile", 2, 2, 4, FP32_GATHER + COMPILE),
+    Layout("HSDP 2x2, gathered in fp32", 4, 1, 4, replicate(2) + FP32_GATHER),
+    Layout("AC full", 1, 4, 4, AC_FULL),
+    Layout("AC selective op", 1, 4, 4, AC_OP),
+    Layout("AC selective every 2nd block", 1, 4, 4, AC_EVERY_2),
+    Layout("FSDP 2 x TP 2 + AC selective op", 4, 2, 4, tp(2) + AC_OP),
+    Layout("compile", 1, 4, 4, COMPILE),
+    Layout("compile + AC selective op", 1, 4, 4, COMPILE + AC_OP),
+    Layout("chunked loss (1 process)", 1, 4, 4, CHUNKED_LOSS),
+    Layout("DDP 2 + chunked loss", 2, 2, 4, replicate(2) + CHUNKED_LOSS),
+    Layout("TP 2 (SP, loss parallel) + chunked loss", 2, 4, 4, tp(2) + CHUNKED_LOSS),
+    Layout("FSDP 2 + GA 2 + chunked loss, reshard always", 2, 1, 4, FSDP_KNOBS + CHUNKED_LOSS),
+    Layout("compile + AC selective op + chunked loss", 1, 4, 4, COMPILE + AC_OP + CHUNKED_LOSS),
+    # Tied under TP: test_parallelisms.py checks a step's gradients; over 10 steps Adam amplifies the
+    # rounding of the table's two summed gradients past 1e-5 in the gradient norm (docs/models.md).
+    Layout("Qwen3 tied: FSDP 2", 2, 2, 4, model=QWEN3_TIED),
+    Layout("Qwen3 tied: HSDP 2x2", 4, 1, 4, replicate(2), QWEN3_TIED),
+    Layout("Qwen3 untied: TP 2 (SP, loss parallel)", 2, 4, 4, tp(2), QWEN3_UNTIED),
+    Layout("Qwen3 untied: FSDP 2 x TP 2 + AC selective op", 4, 2, 4, tp(2) + AC_OP, QWEN3_UNTIED),
+    Layout("Qwen3 untied: TP 2 + chunked loss + GA 2", 2, 2, 4, tp(2) + CHUNKED_LOSS, QWEN3_UNTIED),
+    Layout("Qwen3 untied: PP 2, 1F1B", 2, 4, 4, pp(2), QWEN3_UNTIED),
+    Layout("Qwen3 untied: PP 2, Interleaved1F1B", 2, 4, 4, pp(2, "Interleaved1F1B"), QWEN3_UNTIED),
+    Layout("Qwen3 untied: compile + AC selective op", 1, 4, 4, COMPILE + AC_OP, QWEN3_UNTIED),
+    Layout("Qwen3-MoE: FSDP 2", 2, 2, 4, model=QWEN3_MOE),
+    Layout("Qwen3-MoE: HSDP 2x2", 4, 1, 4, replicate(2), QWEN3_MOE),
+    Layout("Qwen3-MoE: FSDP 2 + AC full", 2, 2, 4, AC_FULL, QWEN3_MOE),
+    Layout("Qwen3-MoE: compile + AC selective op", 1, 4, 4, COMPILE + AC_OP, QWEN3_MOE),
+    Layout("Qwen3-MoE: FSDP 2 + chunked loss", 2, 2, 4, CHUNKED_LOSS, QWEN3_MOE),
+    Layout("Qwen3-MoE: FSDP 2, gathered in fp32 + compile", 2, 2, 4, FP32_GATHER + COMPILE, QWEN3_MOE),
+    Layout("Qwen3-MoE bias: FSDP 2", 2, 2, 4, model=QWEN3_MOE_BIAS),
+    Layout("Qwen3-MoE bias: FSDP 2 + GA 2 + AC full", 2, 1, 4, AC_FULL, QWEN3_MOE_BIAS),
+    Layout("Qwen3-MoE bias: PP 2, 1F1B", 2, 4, 4, pp(2), QWEN3_MOE_BIAS),
+    Layout("Qwen3-MoE bias: PP 2, Interleaved1F1B", 2, 4, 4, pp(2, "Interleaved1F1B"), QWEN3_MOE_BIAS),
+    Layout("Qwen3-MoE: EP 2", 2, 2, 4, ep(2), QWEN3_MOE),
+    Layout("Qwen3-MoE: EP 2 on FSDP 4", 4, 1, 4, ep(2), QWEN3_MOE),
+    Layout("Qwen3-MoE: EP 2, HSDP 2x2", 4, 1, 4, ep(2) + replicate(2), QWEN3_MOE),
+    Layout("Qwen3-MoE: EP 2 + AC full + chunked loss", 2, 2, 4, ep(2) + AC_FULL + CHUNKED_LOSS, QWEN3_MOE),
+    Layout("Qwen3-MoE: EP 2 + AC every 2nd block", 2, 2, 4, ep(2) + AC_EVERY_2, QWEN3_MOE),
+    Layout("Qwen3-MoE: EP 2 + compile", 2, 2, 4, ep(2) + COMPILE, QWEN3_MOE),
+    Layout("Qwen3-MoE bias: EP 2", 2, 2, 4, ep(2), QWEN3_MOE_BIAS),
+    Layout("Qwen3-MoE bias: EP 2 + GA 2", 2, 1, 4, ep(2), QWEN3_MOE_BIAS),
+    Layout("Qwen3-MoE bias: PP 2 x EP 2", 4, 2, 4, pp(2) + ep(2), QWEN3_MOE_BIAS),
+    Layout("Qwen3-MoE: PP 2, 1F1B", 2, 4, 4, pp(2), QWEN3_MOE, reference_microbatch=2),
+    Layout(
+        "Qwen3-MoE: PP 2, Interleaved1F1B",
+        2,
+        4,
+        4,
+        pp(2, "Interleaved1F1B"),
+        QWEN3_MOE,
+        reference_microbatch=1,
+    ),
+    Layout(
+        "Qwen3-MoE aux + bias: PP 2 x EP 2, GPipe, 1 micro-batch",
+        4,
+        2,
+        4,
+        pp(2, "GPipe") + ep(2) + ("--parallelism.pipeline_parallel_microbatches", "1"),
+        QWEN3_MOE_BOTH,
+    ),
+    Layout("Qwen3-MoE: EP 2 x TP 2", 4, 2, 4, ep(2) + tp(2), QWEN3_MOE),
+    Layout("Qwen3-MoE bias: EP 2 x TP 2", 4, 2, 4, ep(2) + tp(2), QWEN3_MOE_BIAS),
+    Layout("Qwen3-MoE: FSDP 2 x TP 2", 4, 2, 4, tp(2), QWEN3_MOE),
+    Layout("Qwen3-MoE: FSDP 2 x TP 2 + AC selective op", 4, 2, 4, tp(2) + AC_OP, QWEN3_MOE),
+    Layout("Qwen3-MoE: EP 2 + AC selective op", 2, 2, 4, ep(2) + AC_OP, QWEN3_MOE),
+    Layout("Qwen3-MoE: EP 2 + compile + AC selective op", 2, 2, 4, ep(2) + COMPILE + AC_OP, QWEN3_MOE),
+    Layout(
+        "Qwen3-MoE: EP 2 x TP 2 + AC full + chunked loss",
+        4,
+        2,
+        4,
+        ep(2) + tp(2) + AC_FULL + CHUNKED_LOSS,
+        QWEN3_MOE,
+    ),
+    Layout("Llama, 512 tokens: CP 2", 2, 4, 4, cp(2), LONG),
+    Layout("Llama, 512 tokens: CP 4", 4, 4, 4, cp(4), LONG),
+    Layout("Llama, 512 tokens: CP 2 x FSDP 2", 4, 2, 4, cp(2), LONG),
+    Layout("Llama, 512 tokens: CP 2 x TP 2", 4, 4, 4, cp(2) + tp(2), LONG),
+    Layout("Llama, 512 tokens: PP 2 x CP 2", 4, 4, 4, pp(2) + cp(2), LONG),
+    Layout("Qwen3 untied, 512 tokens: CP 2", 2, 4, 4, cp(2), QWEN3_LONG),
+    Layout("Qwen3 untied, 512 tokens: CP 4", 4, 4, 4, cp(4), QWEN3_LONG),
+    Layout("Qwen3 untied, 512 tokens: CP 2 x FSDP 2", 4, 2, 4, cp(2), QWEN3_LONG),
+    Layout("Qwen3 untied, 512 tokens: HSDP 2 x CP 2", 4, 2, 4, cp(2) + replicate(2), QWEN3_LONG),
+    Layout("Qwen3 untied, 512 tokens: CP 2 + GA 2 + AC full", 2, 2, 4, cp(2) + AC_FULL, QWEN3_LONG),
+    Layout(
+        "Qwen3 untied, 512 tokens: CP 2 + compile + AC selective op",
+        2,
+        4,
+        4,
+        cp(2) + COMPILE + AC_OP,
+        QWEN3_LONG,
+    ),
+    Layout("Qwen3 untied, 512 tokens: CP 2 + chunked loss", 2, 4, 4, cp(2) + CHUNKED_LOSS, QWEN3_LONG),
+    Layout(
+        "Qwen3 untied, 512 tokens: CP 2 x TP 2 + GA 2 + AC selective op + chunked loss, reshard always",
+        4,
+        2,
+        4,
+        cp(2) + tp(2) + AC_OP + FSDP_KNOBS + CHUNKED_LOSS,
+        QWEN3_LONG,
+    ),
+    Layout(
+        "Qwen3 untied, 512 tokens: PP 2 x CP 2, 1F1B, 4 micro-batches",
+        4,
+        4,
+        4,
+        pp(2) + cp(2) + ("--parallelism.pipeline_parallel_microbatches", "4"),
+        QWEN3_LONG,
+    ),
+    # Packed documents attending within themselves (block_causal), ~35-token documents in 512 tokens.
+    Layout("Llama, 512 tokens, block_causal: FSDP 2", 2, 2, 4, model=LLAMA_BLOCK),
+    Layout("Llama, 512 tokens, block_causal: TP 2", 2, 4, 4, tp(2), LLAMA_BLOCK),
+    Layout("Llama, 512 tokens, block_causal: CP 2", 2, 4, 4, cp(2), LLAMA_BLOCK),
+    Layout("Llama, 512 tokens, block_causal: CP 4", 4, 4, 4, cp(4), LLAMA_BLOCK),
+    Layout("Llama, 512 tokens, block_causal: CP 2 x TP 2", 4, 4, 4, cp(2) + tp(2), LLAMA_BLOCK),
+    Layout("Llama, 512 tokens, block_causal: PP 2, 1F1B", 2, 4, 4, pp(2), LLAMA_BLOCK),
+    Layout("Llama, 512 tokens, block_causal: compile + AC op", 1, 4, 4, COMPILE + AC_OP, LLAMA_BLOCK),
+    Layout("Qwen3 untied, 512 tokens, block_causal: CP 2 x FSDP 2", 4, 2, 4, cp(2), QWEN3_BLOCK),
+    Layout("Qwen3 untied, 512 tokens, block_causal: PP 2 x CP 2, 1F1B", 4, 4, 4, pp(2) + cp(2), QWEN3_BLOCK),
+    Layout("Qwen3-MoE, block_causal: EP 2", 2, 2, 4, ep(2), QWEN3_MOE_BLOCK),
+    Layout("Qwen3-MoE, block_causal: PP 2, 1F1B", 2, 4, 4, pp(2), QWEN3_MOE_BLOCK, reference_microbatch=2),
+    # Muon: each rank gathers the matrices it holds a shard or slice of (docs/optimizers.md).
+    Layout("Muon: FSDP 2", 2, 2, 4, model=MUON),
+    Layout("Muon: TP 2", 2, 4, 4, tp(2), MUON),
+    Layout("Muon: FSDP 2 x TP 2 + GA 2", 4, 1, 4, tp(2), MUON),
+    Layout("Muon: HSDP 2x2", 4, 1, 4, replicate(2), MUON),
+    Layout("Muon: PP 2, 1F1B", 2, 4, 4, pp(2), MUON),
+    Layout("Muon: GA 2 x batch 2 (1 process)", 1, 2, 4, model=MUON),
+    Layout("Qwen3-MoE Muon: EP 2", 2, 2, 4, ep(2), QWEN3_MOE_MUON),
+    Layout("Qwen3-MoE Muon: EP 2 on FSDP 4", 4, 1, 4, ep(2), QWEN3_MOE_MUON),
+]
