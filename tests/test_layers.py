@@ -109,3 +109,22 @@ def test_every_module_is_in_one_layer_and_imports_only_from_layers_above():
 def test_the_table_puts_the_tools_and_the_loop_last():
     layers = table()
     assert {"scripts/", "train.py"} <= set(layers[-1][1]), "scripts/ and train.py are the last layer"
+
+
+MAX_LINES = 500
+MAX_LOOSE_MODULES = 10
+
+
+def test_files_stay_short_and_torchtitan_keeps_few_loose_modules():
+    """docs/architecture.md's rules of the house: a file under torchtitan/ or scripts/ that outgrows
+    MAX_LINES, or a torchtitan/ with more than MAX_LOOSE_MODULES modules outside its packages, is split
+    by concern into a package (as torchtitan/optimizers/ and scripts/benchmarks/ were)."""
+    files = [f for folder in ("torchtitan", "scripts") for f in (ROOT / folder).rglob("*") if f.is_file()]
+    long = [
+        f"{f.relative_to(ROOT)}: {lines} lines"
+        for f in files
+        if "__pycache__" not in f.parts and (lines := len(f.read_bytes().splitlines())) > MAX_LINES
+    ]
+    assert not long, f"over {MAX_LINES} lines:\n" + "\n".join(long)
+    loose = sorted(f.name for f in (ROOT / "torchtitan").glob("*.py") if f.name != "__init__.py")
+    assert len(loose) <= MAX_LOOSE_MODULES, f"torchtitan/ has {len(loose)} loose modules: {loose}"
