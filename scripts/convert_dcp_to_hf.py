@@ -13,7 +13,9 @@ tied model's file has no lm_head.weight, as HF's. The run's tokenizer (the recor
 or --tokenizer) is written beside the weights (tokenizer.json and tokenizer_config.json: a Hugging Face
 tokenizer's as they are, a tiktoken file converted, torchtitan/datasets/hf_export.py), with its BOS,
 EOS and pad ids in config.json and generation_config.json, so that transformers'
-`pipeline("text-generation", model=folder)` runs as it is.
+`pipeline("text-generation", model=folder)` runs as it is. The output is a new or empty folder
+(--overwrite replaces one whole, so that no stale shard is loaded with the new weights), never a run's
+checkpoint nor a folder holding the checkpoint read.
 """
 
 import argparse
@@ -25,12 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, uninstalled
 
-from torchtitan.checkpoint.folder import check_checkpoint  # noqa: E402
+from torchtitan.checkpoint.folder import check_checkpoint, check_output_folder  # noqa: E402
 from torchtitan.checkpoint.hf_export import export_hf as convert  # noqa: E402
 from torchtitan.checkpoint.load import read_model_record  # noqa: E402
 from torchtitan.checkpoint.state import tokenizer_sha256  # noqa: E402
 from torchtitan.config.options import ConfigError  # noqa: E402
-from torchtitan.config.paths import check_writable_folder, resolve_path  # noqa: E402
+from torchtitan.config.paths import resolve_path  # noqa: E402
 from torchtitan.datasets.tokenizer import AnyTokenizer, build_tokenizer  # noqa: E402
 from torchtitan.errors import run_with_exit_codes  # noqa: E402
 from torchtitan.models import MODEL_SPECS  # noqa: E402
@@ -39,7 +41,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def recorded_model(
-    checkpoint: str, output: str, name: str | None, flavor: str | None, tokenizer_path: str | None
+    checkpoint: str,
+    output: str,
+    name: str | None,
+    flavor: str | None,
+    tokenizer_path: str | None,
+    overwrite: bool = False,
 ) -> tuple[str, str, AnyTokenizer]:
     """The model.name, model.flavor and tokenizer to export with: the checkpoint's record, which a
     --name or --flavor given must match (checked before anything else: the wrong family is the first
@@ -57,7 +64,7 @@ def recorded_model(
                 f"{option}: {checkpoint} holds a {record['name']} {record['flavor']} model (its record), "
                 f"not {given}; pass {option} {saved} or leave {option} out"
             )
-    check_writable_folder("output", output)
+    check_output_folder("output", output, overwrite, [checkpoint])
     tokenizer_path = tokenizer_path or record.get("tokenizer_path")
     if tokenizer_path is None:
         raise ConfigError(
@@ -86,7 +93,7 @@ def run(argv: list[str] | None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("checkpoint", help="DCP checkpoint folder, e.g. outputs/checkpoint/step-100")
-    parser.add_argument("output", help="folder to write config.json and model.safetensors into")
+    parser.add_argument("output", help="folder to write config.json and model.safetensors into: new or empty")
     parser.add_argument(
         "--name", choices=MODEL_SPECS, help="model.name of the run (default: the checkpoint's record)"
     )
@@ -105,9 +112,10 @@ def run(argv: list[str] | None) -> int:
         help="export a mixture-of-experts model trained with moe.bias_update_rate without its routing "
         "biases (HF's model has none; it then routes differently)",
     )
+    parser.add_argument("--overwrite", action="store_true", help="replace an output folder that holds files")
     args = parser.parse_args(argv)
     args.name, args.flavor, tokenizer = recorded_model(
-        args.checkpoint, args.output, args.name, args.flavor, args.tokenizer
+        args.checkpoint, args.output, args.name, args.flavor, args.tokenizer, args.overwrite
     )
     flavors = MODEL_SPECS[args.name].flavors
     if args.flavor not in flavors:
@@ -122,6 +130,7 @@ def run(argv: list[str] | None) -> int:
         args.name,
         args.drop_expert_bias,
         tokenizer,
+        args.overwrite,
     )
     print(f"wrote {args.output}: config.json, generation_config.json, model.safetensors and the tokenizer")
     return 0

@@ -46,16 +46,15 @@ def evaluate(job_config: JobConfig) -> int:
         check_model_record(path, job_config.model)
     with bad_input("model.tokenizer_path"):
         tokenizer = build_tokenizer(resolve_path(job_config.model.tokenizer_path))
+    model_args = build_model_args(job_config, tokenizer.n_words, tokenizer.eos_id, tokenizer.bos_id)
     with torch.device("meta"):
-        model = model_spec(job_config.model).build(
-            build_model_args(job_config, tokenizer.n_words, tokenizer.eos_id, tokenizer.bos_id)
-        )
+        model = model_spec(job_config.model).build(model_args)
     model_parts, pipeline = parallelize_model(model, meshes.world, parallel_dims, job_config, device)
     for part in model_parts:
         part.to_empty(device=device)
         part.init_weights(seed=job_config.training.seed)  # the buffers (RoPE), which are not saved
     if hf_folder:
-        load_hf_weights(merge_model_parts(model_parts), path, job_config.model)
+        load_hf_weights(merge_model_parts(model_parts), path, job_config.model, model_args)
     else:
         load_model_weights(model_parts, path, verify=job_config.checkpoint.verify_checksums)
     train_step = TrainStep(

@@ -63,7 +63,7 @@ def load_model(job_config: JobConfig, tokenizer: AnyTokenizer, device: torch.dev
     with torch.device(device):
         model = model_spec(job_config.model).build(model_args)  # random weights, then replaced
     if is_hf_folder(path):
-        load_hf_weights(model, path, job_config.model)
+        load_hf_weights(model, path, job_config.model, model_args)
     else:
         load_checkpoint_weights(model, path)
     print(f"Loaded {job_config.model.name} {job_config.model.flavor} from {path}", file=sys.stderr)

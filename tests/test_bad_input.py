@@ -304,6 +304,25 @@ def path_cases(option: str, name: str, kinds: list[str], *extra: str) -> list["C
 
 
 ON = ("--validation.enable", "true")
+
+
+def hf_folder_config(content: bytes):
+    """--checkpoint.initial_load_path at a Hugging Face folder holding this config.json."""
+
+    def argv(tmp, dump, trained):
+        (tmp / "hub").mkdir()
+        (tmp / "hub" / "config.json").write_bytes(content)
+        return ["--checkpoint.initial_load_path", str(tmp / "hub")]
+
+    return argv
+
+
+def hf_export_file(tmp, dump, trained):
+    """checkpoint.last_save_in_hf with a file where the export goes."""
+    (dump / "hf").write_text("a user's file\n")
+    return [*CKPT, "--checkpoint.last_save_in_hf", "true"]
+
+
 PATH_CASES = [
     *path_cases("--job.config_file", "job.toml", ["dangling symlink", "fifo"]),
     *path_cases("--model.tokenizer_path", "tok.model", ["dangling symlink", "fifo", "not UTF-8"]),
@@ -695,6 +714,30 @@ CASES = [
         "to resume from: move it away to start afresh",
     ),
     Case("code in a saved item", damaged(evil_item), "is not plain data and is not loaded"),
+    # Hugging Face folders and exports: refused before training, in the option's words
+    Case(
+        "HF config.json hand-edited",
+        hf_folder_config(b'{"model_type": "llama",}'),
+        "config.json is not valid JSON",
+    ),
+    Case(
+        "HF export of a routing bias",
+        args(
+            *CKPT,
+            "--checkpoint.last_save_in_hf",
+            "true",
+            "--model.name",
+            "qwen3_moe",
+            "--moe.bias_update_rate",
+            "0.001",
+        ),
+        "checkpoint.last_save_in_hf: moe.bias_update_rate = 0.001 trains routing biases",
+    ),
+    Case(
+        "HF export folder a file",
+        hf_export_file,
+        "checkpoint.last_save_in_hf: exports into {tmp}/dump/hf, which is not a folder",
+    ),
     *PATH_CASES,
 ]
 

@@ -3,15 +3,17 @@ against transformers' own LlamaForCausalLM and Qwen3ForCausalLM)."""
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from launch import ROOT
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from scripts import convert_dcp_to_hf, convert_dcp_to_torch, convert_hf_to_dcp
+from torchtitan.checkpoint.checksums import ChecksumWriter
 from torchtitan.checkpoint.load import read_model_weights
 from torchtitan.checkpoint.state import RECORD, tokenizer_sha256
 from torchtitan.config.options import ConfigError
@@ -234,3 +236,117 @@ def test_dcp_to_torch_save_loads_with_weights_only(tmp_path):
     reference = torch.load(tmp_path / "reference.pt", weights_only=True)
     assert state.pop("model_record") == reference.pop("model_record")  # strings: not for assert_close
     torch.testing.assert_close(state, reference, rtol=0, atol=0)
+
+
+INDEX = "model.safetensors.index.json"
+SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` and its bytes: a refused input must be left byte for byte as it was."""
+    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def sharded_hf_folder(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A tiny Qwen3 folder sharded as the Hub's (two files and their index), and its model's weights."""
+    args = tiny_qwen3(tied=False)
+    weights = random_model(args, "qwen3").state_dict()
+    dcp.save({"model": weights}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    hf = tmp_path / "hf"
+    convert_dcp_to_hf.convert(str(tmp_path / "dcp"), str(hf), args, name="qwen3")
+    tensors = load_file(hf / "model.safetensors")
+    (hf / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {SHARDS[0]: names[: len(names) // 2], SHARDS[1]: names[len(names) // 2 :]}
+    for file, part in shards.items():
+        save_file({name: tensors[name] for name in part}, hf / file, {"format": "pt"})
+    weight_map = {name: file for file, part in shards.items() for name in part}
+    (hf / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return hf, weights
+
+
+def stray_comma(path: Path) -> None:
+    path.write_text(path.read_text().replace("{", "{,", 1))
+
+
+def misplaced(path: Path) -> None:
+    index = json.loads(path.read_text())
+    name = next(name for name, file in index["weight_map"].items() if file == SHARDS[0])
+    index["weight_map"][name] = SHARDS[1]
+    path.write_text(json.dumps(index))
+
+
+DAMAGE = {
+    "index hand-edited": (INDEX, stray_comma, f"{INDEX} is not valid JSON"),
+    "shard missing": (SHARDS[1], Path.unlink, f"{SHARDS[1]}; {INDEX} names it"),
+    "shard cut short": (
+        SHARDS[0],
+        lambda p: p.write_bytes(p.read_bytes()[:-100]),
+        "is damaged or not a safetensors",
+    ),
+    "index and shards disagree": (INDEX, misplaced, f"{INDEX} puts "),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_hf_to_dcp_reads_the_index_and_refuses_a_damaged_folder(tmp_path, capsys, damage):
+    """The converter reads checkpoint.initial_load_path's way: the index, every shard it names, each
+    holding what the index says; damage is one line naming the file, exit 2, nothing written."""
+    hf, _ = sharded_hf_folder(tmp_path)
+    file, spoil, message = DAMAGE[damage]
+    spoil(hf / file)
+    before = folder_bytes(hf)
+    capsys.readouterr()
+    assert convert_hf_to_dcp.main([str(hf), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: hf_folder: ") and err.count("\n") == 1 and message in err, err
+    assert folder_bytes(hf) == before and not (tmp_path / "out").exists()
+
+
+def test_hf_to_dcp_names_what_it_skips(tmp_path, capsys):
+    """A sharded folder converts whole (the same weights), its multi-token prediction layer named as
+    skipped, not an error."""
+    hf, weights = sharded_hf_folder(tmp_path)
+    save_file({"mtp.fc.weight": torch.ones(2, 2)}, hf / "mtp.safetensors")
+    index = json.loads((hf / INDEX).read_text())
+    index["weight_map"]["mtp.fc.weight"] = "mtp.safetensors"
+    (hf / INDEX).write_text(json.dumps(index))
+    assert convert_hf_to_dcp.main([str(hf), str(tmp_path / "out")]) == 0
+    assert (
+        "skipped (no model here has a place for them): multi-token prediction: 1 tensors (mtp.fc.weight)"
+        in (capsys.readouterr().out)
+    )
+    back = read_model_weights(str(tmp_path / "out"))
+    assert back.keys() == weights.keys() and all(torch.equal(back[k], w) for k, w in weights.items())
+
+
+def test_converters_never_write_over_a_users_files(tmp_path, capsys):
+    """An existing Hugging Face folder is refused as output unless --overwrite, which replaces it whole
+    (no stale shard left beside the new weights); a run's step-N is never written into."""
+    hf, _ = sharded_hf_folder(tmp_path)
+    args = ModelArgs(dim=256, n_layers=6, n_heads=16, rope_theta=500000, vocab_size=40)
+    tokenizer = str(ROOT / "assets" / "tokenizer" / "kjv_bpe.tiktoken")
+    record = {"name": "llama3", "flavor": "debugmodel", "tokenizer_path": tokenizer}
+    record["tokenizer_sha256"] = tokenizer_sha256(tokenizer)
+    step = tmp_path / "checkpoint" / "step-3"
+    state = {"model": random_model(args).state_dict(), RECORD: record}
+    dcp.save(state, storage_writer=ChecksumWriter(str(step)), no_dist=True)
+    before = {folder: folder_bytes(folder) for folder in (hf, step)}
+    capsys.readouterr()
+
+    refusals = [
+        (convert_dcp_to_hf.main, [str(step), str(hf)], "already holds files (config.json, "),
+        (convert_hf_to_dcp.main, [str(hf), str(step), "--overwrite"], "is a run's checkpoint"),
+        (convert_hf_to_dcp.main, [str(hf), str(step / "hf")], f"is inside {step}, a run's checkpoint"),
+        (convert_dcp_to_hf.main, [str(step), str(tmp_path), "--overwrite"], "holds the input"),
+    ]
+    for main, argv, message in refusals:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: output: ") and err.count("\n") == 1 and message in err, (argv, err)
+        assert {folder: folder_bytes(folder) for folder in (hf, step)} == before
+
+    assert convert_dcp_to_hf.main([str(step), str(hf), "--overwrite"]) == 0
+    exported = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(path.name for path in hf.iterdir()) == [*exported, "tokenizer_config.json"]
+    assert folder_bytes(step) == before[step]

@@ -4,6 +4,8 @@ step-1 loss that of transformers on the same first batch; a folder of another fa
 weights or with a damaged file is one line and exit 2. The sharded reads (each rank its share, the
 weights bit for bit): test_parallelisms.py."""
 
+import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,14 +15,17 @@ import torch.nn.functional as F
 from launch import ROOT, TINY_JOB, losses, run_train, run_train_in_process
 from test_convert import random_model
 
+from scripts import convert_hf_to_dcp
 from torchtitan.checkpoint.hf_export import export_hf
 from torchtitan.checkpoint.hf_reader import load_hf_weights
+from torchtitan.checkpoint.load import read_model_weights
 from torchtitan.config.options import ConfigError
 from torchtitan.config.parser import parse_args
 from torchtitan.datasets.build import build_training_data_loader
 from torchtitan.datasets.layout import BatchLayout
 from torchtitan.datasets.tokenizer import Tokenizer
 from torchtitan.models import MODEL_SPECS, build_model_args
+from torchtitan.models.qwen3 import qwen3_configs
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,15 +94,58 @@ def test_a_bad_hub_folder_is_one_line(tmp_path, capsys):
     assert "model.name: " in line and "holds a qwen3 model" in line and "not this job's llama3" in line
 
     job = parse_args(ONE_STEP)
-    model = MODEL_SPECS["llama3"].build(build_model_args(job, Tokenizer(TOKENIZER).n_words))
+    args = build_model_args(job, Tokenizer(TOKENIZER).n_words)
+    model = MODEL_SPECS["llama3"].build(args)
     smaller = hub_folder(tmp_path / "smaller", "llama3", vocab_size=1024)
-    with pytest.raises(ConfigError, match=r"model.flavor: .* tok_embeddings.weight with shape \(1024, 256\)"):
-        load_hf_weights(model, str(smaller), job.model)
+    with pytest.raises(ConfigError, match=r"model.vocab_size: .* tok_embeddings.weight with 1024 rows"):
+        load_hf_weights(model, str(smaller), job.model, args)
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.json").write_text((smaller / "config.json").read_text())
     with pytest.raises(ConfigError, match="has a config.json but no weights"):
-        load_hf_weights(model, str(tmp_path / "empty"), job.model)
+        load_hf_weights(model, str(tmp_path / "empty"), job.model, args)
     data = (smaller / "model.safetensors").read_bytes()
     (smaller / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ConfigError, match="is damaged or not a safetensors file"):
-        load_hf_weights(model, str(smaller), job.model)
+        load_hf_weights(model, str(smaller), job.model, args)
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` and its bytes: a refused input must be left byte for byte as it was."""
+    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def test_a_larger_hub_folder_is_refused_not_cut(tmp_path):
+    """A folder with more layers than the job's flavour: its extra layers are named, not dropped."""
+    job = parse_args(ONE_STEP)
+    args = build_model_args(job, Tokenizer(TOKENIZER).n_words)
+    larger = hub_folder(tmp_path, "llama3", n_layers=args.n_layers + 1)
+    before = folder_bytes(larger)
+    with pytest.raises(ConfigError, match=rf"model.flavor: .* holds layers\.{args.n_layers}\..* and 8 more"):
+        load_hf_weights(MODEL_SPECS["llama3"].build(args), str(larger), job.model, args)
+    assert folder_bytes(larger) == before
+
+
+def test_the_qwen3_vocabulary_loads_trains_and_exports(tmp_path, monkeypatch):
+    """A folder shaped as the released Qwen3's vocabulary (151,936 rows over a tokenizer of fewer ids),
+    its other sizes tiny: model.vocab_size -1 takes the folder's rows, the first loss is transformers',
+    two steps train, and the run's export reads back bit for bit as its last checkpoint."""
+    tiny = {"dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "hidden_dim": 64}
+    monkeypatch.setitem(qwen3_configs, "tiny", replace(qwen3_configs["debugmodel_tied"], **tiny))
+    hub = hub_folder(tmp_path, "qwen3", **tiny, vocab_size=151936)
+    before = folder_bytes(hub)
+    expected = transformers_first_loss(hub, "qwen3")
+    run = tmp_path / "run"
+    argv = [*ONE_STEP, "--model.name", "qwen3", "--model.flavor", "tiny", "--training.steps", "2"]
+    argv += ["--checkpoint.initial_load_path", str(hub), "--job.dump_folder", str(run)]
+    argv += ["--checkpoint.enable_checkpoint", "true", "--checkpoint.last_save_in_hf", "true"]
+    assert run_train_in_process(*argv) == 0
+    assert abs(losses(run)[1] - expected) <= 1e-5, (losses(run), expected)
+    assert json.loads((run / "hf" / "config.json").read_text())["vocab_size"] == 151936
+    convert_hf_to_dcp.convert(str(run / "hf"), str(tmp_path / "back"))
+    back, saved = (
+        read_model_weights(str(tmp_path / "back")),
+        read_model_weights(str(run / "checkpoint" / "step-2")),
+    )
+    assert back.keys() == saved.keys()
+    assert all(torch.equal(back[name], saved[name]) for name in saved)
+    assert folder_bytes(hub) == before

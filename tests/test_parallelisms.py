@@ -541,7 +541,7 @@ def _mesh_worker(rank: int, world_size: int, tmp_dir: str) -> None:
             config = _config(**parallelism)
             config.model.name = name
             model = _build(args, dims.build_mesh("cpu"), dims, config, cls)
-            reader = load_hf_weights(model, hub, config.model)
+            reader = load_hf_weights(model, hub, config.model, args)
             results[f"hf_{name}"] = {clean_fqn(n): _full(p) for n, p in model.named_parameters()}
             read = [None] * world_size
             dist.all_gather_object(read, reader.bytes_read)

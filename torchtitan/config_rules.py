@@ -251,11 +251,22 @@ def check_optimizer(optimizer_config: OptimizerConfig) -> None:
 
 
 def check_hf_export(job_config: JobConfig) -> None:
-    """checkpoint.last_save_in_hf exports the last step's save: there must be one."""
-    if job_config.checkpoint.last_save_in_hf and not job_config.checkpoint.enable_checkpoint:
+    """checkpoint.last_save_in_hf exports the last step's save: there must be one, and a model that
+    Hugging Face's has a place for (not routing biases being trained), said before training, not
+    after it."""
+    if not job_config.checkpoint.last_save_in_hf:
+        return
+    if not job_config.checkpoint.enable_checkpoint:
         raise ConfigError(
             "checkpoint.last_save_in_hf: exports the last step's checkpoint, and checkpointing is off; "
             "set checkpoint.enable_checkpoint true"
+        )
+    if model_spec(job_config.model).moe and job_config.moe.bias_update_rate > 0:
+        raise ConfigError(
+            f"checkpoint.last_save_in_hf: moe.bias_update_rate = {job_config.moe.bias_update_rate} trains "
+            f"routing biases that Hugging Face's {job_config.model.name} model has no place for, so the "
+            "export would be refused after training; set moe.bias_update_rate 0, or leave last_save_in_hf "
+            "off and export with scripts/convert_dcp_to_hf.py --drop-expert-bias"
         )
 
 

@@ -63,7 +63,7 @@ class Validator:
                 tokenizer,
                 job_config.training.seq_len,
                 BatchLayout(batch_size, dp_degree, dp_rank),
-                vocab_size(job_config.model, tokenizer.n_words),
+                vocab_size(job_config, tokenizer.n_words),
                 infinite=False,
                 # Where a pass ends is counted once, each rank tokenizing its own streams only.
                 min_over_ranks=functools.partial(dist_min, mesh=meshes.dp),

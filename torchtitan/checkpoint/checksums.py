@@ -25,11 +25,11 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from torchtitan.checkpoint.folder import CHECKSUMS as MANIFEST
 from torchtitan.checkpoint.folder import list_checkpoints
 from torchtitan.config.options import ConfigError
 from torchtitan.logging import logger
 
-MANIFEST = "checksums.json"
 _CHUNK = 4 << 20
 # The write result that carries a rank's checksums to the coordinator; never a state-dict key.
 _SUMS_KEY = "__checksums__"

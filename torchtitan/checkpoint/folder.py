@@ -4,12 +4,17 @@ A `step-N` folder with a `.metadata` file is complete (torchtitan/checkpoint/man
 `step-N.tmp` and renames it once whole). Torch-free: the preflight checks these rules before any
 worker starts."""
 
+import contextlib
 import os
 import re
+import shutil
+from collections.abc import Iterator
 
 from torchtitan.config.options import CheckpointConfig, ConfigError, JobConfig
-from torchtitan.config.paths import check_folder, shown
+from torchtitan.config.paths import check_folder, check_writable_folder, read_json, shown
+from torchtitan.models import HF_CONFIG
 
+CHECKSUMS = "checksums.json"  # a step-N's files' sizes and CRC32s (torchtitan/checkpoint/checksums.py)
 STEP_DIR = re.compile(r"^step-(\d+)$")
 # Folders of a save or a deletion cut short; never loaded, removed at start.
 LEFTOVER_DIR = re.compile(r"^step-\d+\.(tmp|old|purging)$")
@@ -51,15 +56,90 @@ def check_load_step(checkpoint_config: CheckpointConfig, folder: str) -> None:
 
 def is_hf_folder(path: str) -> bool:
     """A Hugging Face model folder (its config.json), which checkpoint.initial_load_path may name."""
-    return os.path.isfile(os.path.join(path, "config.json"))
+    return os.path.isfile(os.path.join(path, HF_CONFIG))
 
 
 def check_initial_load_path(checkpoint_config: CheckpointConfig) -> None:
+    """A DCP checkpoint or a Hugging Face folder whose config.json reads (a hand edit's stray comma is
+    one line here, before any worker starts)."""
     path = checkpoint_config.initial_load_path
-    if path is not None and not is_complete(path) and not is_hf_folder(path):
+    if path is None or is_complete(path):
+        return
+    if not is_hf_folder(path):
         raise ConfigError(
             f"checkpoint.initial_load_path: {path} is not a DCP checkpoint folder (no .metadata) nor a "
             "Hugging Face model folder (no config.json); point it at a step-N folder or a model folder"
+        )
+    read_json("checkpoint.initial_load_path", os.path.join(path, HF_CONFIG))
+
+
+def is_run_checkpoint(path: str) -> bool:
+    """A step-N folder a run saved: complete, with its checksums."""
+    return is_complete(path) and os.path.isfile(os.path.join(path, CHECKSUMS))
+
+
+def check_output_folder(option: str, output: str, overwrite: bool, inputs: list[str]) -> None:
+    """A converter's output folder, before anything is read: never a run's checkpoint or a folder in one
+    (its checksums would no longer match, or the run would resume from model weights only), never one
+    holding an input; an existing non-empty folder only with `overwrite`, which replaces it whole (a
+    stale shard or index left beside new weights would be loaded with them)."""
+    check_writable_folder(option, output)
+    real = os.path.realpath(output)
+    folder = real
+    while True:
+        if is_run_checkpoint(folder):
+            where = "" if folder == real else f"inside {shown(folder)}, "
+            raise ConfigError(
+                f"{option}: {shown(output)} is {where}a run's checkpoint (.metadata and {CHECKSUMS}), "
+                "which a converter never writes into; give a new folder"
+            )
+        if folder == (folder := os.path.dirname(folder)):
+            break
+    for source in inputs:
+        if os.path.commonpath([real, os.path.realpath(source)]) == real:
+            raise ConfigError(f"{option}: {shown(output)} holds the input {shown(source)}; give a new folder")
+    held = sorted(os.listdir(output)) if os.path.isdir(output) else []
+    if held and not overwrite:
+        more = f" and {len(held) - 3} more" if len(held) > 3 else ""
+        raise ConfigError(
+            f"{option}: {shown(output)} already holds files ({', '.join(held[:3])}{more}); give a new or "
+            "empty folder, or pass --overwrite to replace it"
+        )
+
+
+@contextlib.contextmanager
+def replacing_folder(output: str) -> Iterator[str]:
+    """A new folder to write `output`'s contents into: made beside it and renamed to `output` once
+    complete, the old `output` (if any) deleted only then, so a failed write leaves it as it was."""
+    base = os.path.normpath(output)
+    new, old = f"{base}.new-{os.getpid()}", f"{base}.old-{os.getpid()}"
+    shutil.rmtree(new, ignore_errors=True)
+    os.makedirs(new)
+    try:
+        yield new
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    if os.path.lexists(base):
+        os.rename(base, old)
+    os.rename(new, base)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def hf_export_folder(job_config: JobConfig) -> str:
+    """Where checkpoint.last_save_in_hf writes: {job.dump_folder}/hf."""
+    return os.path.join(job_config.job.dump_folder, "hf")
+
+
+def check_hf_export_folder(job_config: JobConfig) -> None:
+    """checkpoint.last_save_in_hf's folder, checked before training rather than after it."""
+    if not job_config.checkpoint.last_save_in_hf:
+        return
+    folder = hf_export_folder(job_config)
+    if os.path.lexists(folder) and not os.path.isdir(folder):
+        raise ConfigError(
+            f"checkpoint.last_save_in_hf: exports into {shown(folder)}, which is not a folder; move it away "
+            "or set job.dump_folder to another folder"
         )
 
 

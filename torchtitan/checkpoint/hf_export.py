@@ -8,10 +8,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from torchtitan.checkpoint.folder import check_checkpoint
+from torchtitan.checkpoint.folder import check_checkpoint, check_output_folder, replacing_folder
 from torchtitan.checkpoint.load import read_model_weights
 from torchtitan.config.options import ConfigError
-from torchtitan.config.paths import check_writable_folder
 from torchtitan.datasets.hf_export import write_tokenizer_files
 from torchtitan.datasets.tokenizer import AnyTokenizer
 from torchtitan.models import MODEL_SPECS
@@ -27,20 +26,25 @@ def export_hf(
     name: str = "llama3",
     drop_expert_bias: bool = False,
     tokenizer: AnyTokenizer | None = None,
+    overwrite: bool = False,
+    option: str = "output",
+    bias_option: str = "--drop-expert-bias",
 ) -> None:
     """Write config.json and model.safetensors of model.name `name`'s checkpoint into `output`, and with
     the run's `tokenizer` its files, its BOS/EOS/pad ids in config.json and generation_config.json. A
     mixture-of-experts model's routing biases (moe.bias_update_rate) have no place in HF's model: a
-    non-zero one is refused unless `drop_expert_bias`, as the model routes differently without it."""
+    non-zero one is refused unless `drop_expert_bias`, as the model routes differently without it.
+    `output` is new or empty, or replaced whole when `overwrite` (torchtitan/checkpoint/folder.py's
+    rules); errors name `option` (the folder) and `bias_option` (the bias)."""
     check_checkpoint("checkpoint", checkpoint)
-    check_writable_folder("output", output)
+    check_output_folder(option, output, overwrite, [checkpoint])
     weights = read_model_weights(checkpoint)
     biases = [key for key in weights if key.endswith(".expert_bias")]
     if not drop_expert_bias and any(weights[key].any() for key in biases):
         raise ConfigError(
-            "--drop-expert-bias: the checkpoint's experts were chosen with a routing bias "
+            f"{bias_option}: the checkpoint's experts were chosen with a routing bias "
             "(moe.bias_update_rate) that Hugging Face's model has no place for, so it would route tokens "
-            "differently; pass --drop-expert-bias to export it without the bias"
+            "differently; export it with scripts/convert_dcp_to_hf.py --drop-expert-bias to leave it out"
         )
     weights = {key: w for key, w in weights.items() if key not in biases}
     dim = weights["tok_embeddings.weight"].shape[1]
@@ -57,20 +61,20 @@ def export_hf(
         weights = {key: w.to(dtype) for key, w in weights.items()}
     spec = MODEL_SPECS[name]
     adapter = spec.hf()
-    folder = Path(output)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(adapter.to_hf(weights, model_args), folder / "model.safetensors", {"format": "pt"})
     config = {
         "architectures": [spec.hf_architecture],
         **adapter.hf_config(model_args, weights, max_position_embeddings, weights["norm.weight"].dtype),
     }
-    if tokenizer is not None:
-        ids = {
-            "bos_token_id": tokenizer.bos_id,
-            "eos_token_id": tokenizer.eos_id,
-            "pad_token_id": getattr(tokenizer, "pad_id", None),
-        }
-        config.update(ids)
-        (folder / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
-        write_tokenizer_files(tokenizer, folder, max_position_embeddings)
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    with replacing_folder(output) as new:
+        folder = Path(new)
+        save_file(adapter.to_hf(weights, model_args), folder / "model.safetensors", {"format": "pt"})
+        if tokenizer is not None:
+            ids = {
+                "bos_token_id": tokenizer.bos_id,
+                "eos_token_id": tokenizer.eos_id,
+                "pad_token_id": getattr(tokenizer, "pad_id", None),
+            }
+            config.update(ids)
+            (folder / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
+            write_tokenizer_files(tokenizer, folder, max_position_embeddings)
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -1,6 +1,12 @@
-"""`checkpoint.initial_load_path` as a Hugging Face folder (config.json and safetensors files, one or
-sharded with model.safetensors.index.json): its weights read straight into the sharded model, each rank
-reading the parts of the files that it holds.
+"""A Hugging Face folder (config.json and safetensors files, one or sharded with
+model.safetensors.index.json) read strictly, for `checkpoint.initial_load_path` (its weights straight
+into the sharded model, each rank reading the parts of the files that it holds) and for
+scripts/convert_hf_to_dcp.py (the whole state dict), so that the two cannot disagree.
+
+Strict: the index and its shards agree (a missing shard, a tensor in the wrong one), damaged JSON or
+safetensors are one line naming the file, every tensor of the folder is used or named as skipped
+(`SKIPPED`: multi-token prediction, RoPE frequencies), and a job's model takes every tensor it has, with
+its shape, and leaves none of the folder's out (a larger model's extra layers are refused, not dropped).
 
 DCP does the loading (`dcp.load` with `HFReader`, a StorageReader): its planner asks each rank for the
 regions of our parameters it holds, whatever the layout (FSDP shards, TP slices, experts, strided
@@ -14,9 +20,8 @@ each file tensor it needs, the span of rows between the first and the last it ne
 columns.
 """
 
-import json
 import os
-from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -35,41 +40,61 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from torchtitan.checkpoint.state import ModelState
 from torchtitan.config.options import ConfigError, ModelConfig
-from torchtitan.models import MODEL_SPECS
+from torchtitan.config.paths import check_file, read_json, shown
+from torchtitan.logging import logger
+from torchtitan.models import HF_CONFIG, MODEL_SPECS
+from torchtitan.models.hf_convert import SKIPPED
+from torchtitan.models.spec import ModelArgs
 
-CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 TENSOR_BITS = 40  # a row number's bits; the file tensor's number above them
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+# Our tensors whose rows are the vocabulary.
+_VOCAB_TENSORS = ("tok_embeddings.weight", "output.weight")
+DOWNLOAD = "download the folder again"
 
 
-def _weight_files(path: str) -> dict[str, str]:
-    """Each tensor's safetensors file in the folder (sharded: by model.safetensors.index.json)."""
-    if os.path.isfile(os.path.join(path, INDEX)):
-        index = json.loads(Path(path, INDEX).read_text())
-        return {name: os.path.join(path, file) for name, file in index["weight_map"].items()}
-    if os.path.isfile(os.path.join(path, SINGLE)):
-        with _opened(os.path.join(path, SINGLE)) as f:
-            return {name: os.path.join(path, SINGLE) for name in f.keys()}  # noqa: SIM118
-    raise ConfigError(
-        f"checkpoint.initial_load_path: {path} has a {CONFIG} but no weights ({SINGLE} or {INDEX}); "
-        "point it at a Hugging Face model folder"
-    )
+def read_hf_config(option: str, folder: str, model_name: str | None) -> tuple[dict[str, Any], ModuleType]:
+    """config.json, with the keys every family's conversion needs, and the adapter of its model_type:
+    that of the family `model_name` (the job's), or any family's without one."""
+    path = os.path.join(folder, HF_CONFIG)
+    config = read_json(option, path)
+    if not isinstance(config, dict):
+        raise ConfigError(f"{option}: {shown(path)} holds no JSON object; give a Hugging Face model folder")
+    adapters = {spec.hf().MODEL_TYPE: spec.hf() for spec in MODEL_SPECS.values()}
+    model_type = config.get("model_type")
+    job_type = MODEL_SPECS[model_name].hf().MODEL_TYPE if model_name is not None else model_type
+    if model_type != job_type:
+        raise ConfigError(
+            f"model.name: {folder} holds a {model_type} model (its {HF_CONFIG}'s model_type), not this "
+            f"job's {model_name} ({job_type}); set model.name to the folder's family"
+        )
+    if model_type not in adapters:
+        raise ConfigError(
+            f"{option}: {shown(path)} has model_type {model_type!r}; give a model of a supported type "
+            f"({', '.join(sorted(adapters))})"
+        )
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if not isinstance(config.get(key), int):
+            raise ConfigError(
+                f"{option}: {shown(path)} has no integer {key}; give a Hugging Face model folder"
+            )
+    return config, adapters[model_type]
 
 
 class _opened:
-    """safe_open whose damage (a cut or corrupt file) is one line."""
+    """safe_open whose damage (a cut or corrupt file) is one line naming the file."""
 
-    def __init__(self, file: str) -> None:
-        self.file = file
+    def __init__(self, option: str, file: str) -> None:
+        self.option, self.file = option, file
 
     def __enter__(self) -> Any:
         try:
             self.handle = safe_open(self.file, framework="pt")
         except (SafetensorError, OSError) as e:
             raise ConfigError(
-                f"checkpoint.initial_load_path: {self.file} is damaged or not a safetensors file ({e}); "
-                "download it again"
+                f"{self.option}: {shown(self.file)} is damaged or not a safetensors file ({e}); {DOWNLOAD}"
             ) from None
         return self.handle.__enter__()
 
@@ -77,31 +102,75 @@ class _opened:
         self.handle.__exit__(*exc)
 
 
-class HFReader(StorageReader):
-    """A Hugging Face folder as a DCP checkpoint of our model family's state dict, under `prefix`."""
-
-    def __init__(self, path: str, model_name: str, prefix: str = "model.") -> None:
-        super().__init__()
-        self.path, self.prefix = path, prefix
-        self.config = json.loads(Path(path, CONFIG).read_text())
-        adapter = MODEL_SPECS[model_name].hf()
-        model_type = self.config.get("model_type")
-        if model_type != adapter.MODEL_TYPE:
+def _folder_tensors(option: str, folder: str) -> dict[str, tuple[str, list[int], str]]:
+    """Every tensor of the folder's weights: name -> (file, shape, safetensors dtype). Sharded, the
+    files are the index's, each holding exactly the tensors the index puts in it."""
+    index_path = os.path.join(folder, INDEX)
+    listed: dict[str, set[str]] | None = None
+    if os.path.lexists(index_path):
+        index = read_json(option, index_path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise ConfigError(
-                f"model.name: {path} holds a {model_type} model (its {CONFIG}'s model_type), not this job's "
-                f"{model_name} ({adapter.MODEL_TYPE}); set model.name to the folder's family"
+                f"{option}: {shown(index_path)} has no weight_map of tensors to files; {DOWNLOAD}"
             )
-        self.files = _weight_files(path)
-        names = sorted(self.files)
+        listed = {}
+        for name, file in weight_map.items():
+            listed.setdefault(file, set()).add(name)
+    elif not os.path.lexists(os.path.join(folder, SINGLE)):
+        raise ConfigError(
+            f"{option}: {shown(folder)} has a {HF_CONFIG} but no weights ({SINGLE} or {INDEX}); "
+            "point it at a Hugging Face model folder"
+        )
+    tensors = {}
+    for file in sorted(listed) if listed is not None else [SINGLE]:
+        path = os.path.join(folder, file)
+        check_file(option, path, fix=f"{INDEX} names it: {DOWNLOAD}" if listed is not None else DOWNLOAD)
+        with _opened(option, path) as f:
+            held = set(f.keys())
+            if listed is not None and held != listed[file]:
+                name = sorted(listed[file] ^ held)[0]
+                disagree = (
+                    f"{INDEX} puts {name} in {shown(path)}, which does not hold it"
+                    if name in listed[file]
+                    else f"{shown(path)} holds {name}, which {INDEX} puts elsewhere or nowhere"
+                )
+                raise ConfigError(f"{option}: {disagree}; {DOWNLOAD}")
+            for name in held:
+                tensor = f.get_slice(name)
+                tensors[name] = (path, tensor.get_shape(), tensor.get_dtype())
+    return tensors
+
+
+def _skipped(name: str) -> str | None:
+    """Why the folder's tensor `name` is left out, or None for one the conversion uses."""
+    return next((why for pattern, why in SKIPPED.items() if pattern.fullmatch(name)), None)
+
+
+class HFReader(StorageReader):
+    """A Hugging Face folder as a DCP checkpoint of our model family's state dict, under `prefix`: the
+    family `model_name`'s (its config.json's model_type must be that family's), or, without one, the
+    family config.json names. Errors name `option`."""
+
+    def __init__(self, path: str, option: str, model_name: str | None = None, prefix: str = "model.") -> None:
+        super().__init__()
+        self.path, self.option, self.prefix = path, option, prefix
+        self.config, adapter = read_hf_config(option, path, model_name)
+        tensors = _folder_tensors(option, path)
+        self.skipped = {name: why for name in tensors if (why := _skipped(name)) is not None}
+        self.names = sorted(name for name in tensors if name not in self.skipped)
+        self.files: dict[str, str] = {}
         self.shapes: dict[str, list[int]] = {}
         self.dtypes: dict[str, torch.dtype] = {}
         rows = {}
-        for number, name in enumerate(names):
-            with _opened(self.files[name]) as f:
-                tensor = f.get_slice(name)
-                shape, dtype = tensor.get_shape(), tensor.get_dtype()
-            self.shapes[name] = shape
-            self.dtypes[name] = _DTYPES[dtype]
+        for number, name in enumerate(self.names):
+            file, shape, dtype = tensors[name]
+            if dtype not in _DTYPES or not shape:
+                raise ConfigError(
+                    f"{option}: {shown(file)} holds {name} as a {dtype} tensor of shape {tuple(shape)}, "
+                    f"which no parameter is (one of {', '.join(_DTYPES)}, one dimension or more); {DOWNLOAD}"
+                )
+            self.files[name], self.shapes[name], self.dtypes[name] = file, shape, _DTYPES[dtype]
             # The rows of the tensor, its columns collapsed: what the adapter moves.
             rows[name] = (torch.arange(shape[0]) + (number << TENSOR_BITS)).view(
                 shape[0], *[1] * (len(shape) - 1)
@@ -109,11 +178,26 @@ class HFReader(StorageReader):
         try:
             self.sources = adapter.from_hf(rows, self.config)
         except KeyError as e:
-            raise ConfigError(
-                f"checkpoint.initial_load_path: {path}: {e.args[0]}; is it another family's?"
-            ) from None
-        self.names = names
+            raise ConfigError(f"{option}: {path}: {e.args[0]}; is it another family's?") from None
         self.bytes_read = 0  # what this rank read of the files
+
+    def skipped_summary(self) -> str:
+        """The folder's tensors left out, by reason, e.g. 'multi-token prediction: 12 tensors (mtp.fc.weight,
+        ...)'; empty when none is."""
+        by_reason: dict[str, list[str]] = {}
+        for name, why in sorted(self.skipped.items()):
+            by_reason.setdefault(why, []).append(name)
+        return "; ".join(
+            f"{why}: {len(names)} tensors ({names[0]}{', ...' if len(names) > 1 else ''})"
+            for why, names in by_reason.items()
+        )
+
+    def read_all(self) -> dict[str, torch.Tensor]:
+        """Our whole state dict, each tensor read whole (scripts/convert_hf_to_dcp.py)."""
+        return {
+            ours: self.read_region(ours, tuple(slice(0, n) for n in self.shape(ours)))
+            for ours in self.sources
+        }
 
     def _columns(self, source: torch.Tensor) -> list[int]:
         """The file tensor's column sizes (all but its rows) behind our tensor's source rows."""
@@ -158,7 +242,7 @@ class HFReader(StorageReader):
             mine = tensors == number
             first, last = int(rows[mine].min()), int(rows[mine].max())
             name = self.names[number]
-            with _opened(self.files[name]) as f:
+            with _opened(self.option, self.files[name]) as f:
                 block = f.get_slice(name)[(slice(first, last + 1), *column_region)]
             self.bytes_read += block.numel() * block.element_size()
             if out is None:
@@ -197,26 +281,47 @@ class HFReader(StorageReader):
         return True
 
 
-_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
-
-
-def load_hf_weights(model: nn.Module, path: str, model_config: ModelConfig) -> HFReader:
+def load_hf_weights(
+    model: nn.Module, path: str, model_config: ModelConfig, model_args: ModelArgs
+) -> HFReader:
     """The Hugging Face folder's weights into this rank's `model` (its parts merged), whatever the
-    layout, the family and every shape checked first (one line each); returns the reader (its
-    `bytes_read`)."""
-    reader = HFReader(path, model_config.name)
-    state = ModelState(model)
-    for name, tensor in state.state_dict().items():
+    layout; checked first against the whole model `model_args` builds (the same on every rank), one line
+    each: the family, every tensor the model has present with its shape, and none of the folder's left
+    out but those `SKIPPED`. Returns the reader (its `bytes_read`)."""
+    reader = HFReader(path, "checkpoint.initial_load_path", model_config.name)
+    with torch.device("meta"):
+        expected = {
+            name: tuple(tensor.shape)
+            for name, tensor in MODEL_SPECS[model_config.name].build(model_args).state_dict().items()
+        }
+    job_model = f"{model_config.name} {model_config.flavor}"
+    for name, shape in expected.items():
         if name not in reader.sources:
             raise ConfigError(
                 f"checkpoint.initial_load_path: {path} has no {name}; is model.flavor "
                 f"{model_config.flavor} the folder's?"
             )
-        if list(tensor.shape) != reader.shape(name):
+        theirs = tuple(reader.shape(name))
+        if theirs != shape and name in _VOCAB_TENSORS and theirs[1:] == shape[1:]:
             raise ConfigError(
-                f"model.flavor: {path} holds {name} with shape {tuple(reader.shape(name))} but "
-                f"{model_config.name} {model_config.flavor}'s is {tuple(tensor.shape)}; set model.flavor to "
-                "the folder's"
+                f"model.vocab_size: {path} holds {name} with {theirs[0]} rows (its vocabulary), this job's "
+                f"model {shape[0]}; set model.vocab_size to {theirs[0]}"
             )
-    dcp.load({"model": state}, storage_reader=reader)
+        if theirs != shape:
+            raise ConfigError(
+                f"model.flavor: {path} holds {name} with shape {theirs} but {job_model}'s is {shape}; set "
+                "model.flavor to the folder's"
+            )
+    if extra := sorted(set(reader.sources) - set(expected)):
+        more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+        raise ConfigError(
+            f"model.flavor: {path} holds {extra[0]}{more}, which {job_model} has no place for (the folder's "
+            f"{reader.config['num_hidden_layers']} layers, the flavour's {model_args.n_layers}); set "
+            "model.flavor to the folder's"
+        )
+    if reader.skipped:
+        logger.info(
+            f"Not loading tensors of {path} that this model has no place for: {reader.skipped_summary()}"
+        )
+    dcp.load({"model": ModelState(model)}, storage_reader=reader)
     return reader

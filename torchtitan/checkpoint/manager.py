@@ -30,6 +30,7 @@ from torchtitan.checkpoint.folder import (
     check_initial_load_path,
     check_load_step,
     checkpoint_folder,
+    hf_export_folder,
     is_complete,
     is_hf_folder,
     list_checkpoints,
@@ -99,7 +100,7 @@ class CheckpointManager:
         self.record = model_record(job_config.model)
         # checkpoint.last_save_in_hf: the model's arguments and where its export goes.
         self.model_args = getattr(parts[0], "model_args", None)
-        self.hf_folder = os.path.join(job_config.job.dump_folder, "hf")
+        self.hf_folder = hf_export_folder(job_config)
         self.is_coordinator = not dist.is_initialized() or dist.get_rank() == 0
         self._pending: tuple[int, Future] | None = None  # an async save not yet committed
         self._purger: threading.Thread | None = None
@@ -151,7 +152,7 @@ class CheckpointManager:
             check_initial_load_path(self.checkpoint_config)
             path = self.checkpoint_config.initial_load_path
             if is_hf_folder(path):
-                reader = load_hf_weights(self.states["model"].model, path, self.model_config)
+                reader = load_hf_weights(self.states["model"].model, path, self.model_config, self.model_args)
                 logger.info(f"Loaded {path} (Hugging Face): this rank read {reader.bytes_read:,} bytes of it")
                 return None
             if self.checkpoint_config.verify_checksums:
@@ -239,13 +240,17 @@ class CheckpointManager:
         logger.info(f"Staged checkpoint step {step} in {staged:.2f}s; writing it in the background")
 
     def _export_hf(self, step: int) -> None:
-        """checkpoint.last_save_in_hf: `step-N` as a Hugging Face folder in {dump_folder}/hf."""
+        """checkpoint.last_save_in_hf: `step-N` as a Hugging Face folder in {dump_folder}/hf, replacing the
+        run's earlier export (the preflight refused a file there and a routing bias being trained)."""
         export_hf(
             self._path(step),
             self.hf_folder,
             self.model_args,
             name=self.model_config.name,
             tokenizer=build_tokenizer(resolve_path(self.model_config.tokenizer_path)),
+            overwrite=True,
+            option="checkpoint.last_save_in_hf",
+            bias_option="checkpoint.last_save_in_hf",
         )
         logger.info(f"Exported {self._path(step)} for Hugging Face transformers to {self.hf_folder}")
 

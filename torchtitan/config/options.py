@@ -51,8 +51,9 @@ class ModelConfig:
     )
     vocab_size: int = opt(
         -1,
-        "Rows of the embedding and output layers; -1: the tokenizer's vocabulary. A larger value pads "
-        "them, e.g. 128256 to train at Llama 3's real size with the bundled tokenizer (for benchmarks)",
+        "Rows of the embedding and output layers; -1: those of the Hugging Face folder the run starts from "
+        "(checkpoint.initial_load_path; Qwen3's 151936), else the tokenizer's vocabulary. A larger value "
+        "pads them, e.g. 128256 to train at Llama 3's real size with the bundled tokenizer (for benchmarks)",
         min=-1,
     )
     attn_mask_type: str = opt(

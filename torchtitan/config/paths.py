@@ -6,6 +6,7 @@ The type of a path is taken from os.stat, never by opening it: opening a FIFO bl
 comes. Paths with spaces or any Unicode characters are fine; a NUL character is not."""
 
 import codecs
+import json
 import os
 import stat
 import tempfile
@@ -102,6 +103,19 @@ def check_folder(option: str, path: str, resolved: str | None = None, fix: str =
     mode = _stat(option, path, resolved, f"no such folder {shown(path)}; {fix}").st_mode
     if not stat.S_ISDIR(mode):
         raise ConfigError(f"{option}: {shown(path)} is {_kind(mode)}, not a folder; {fix}")
+
+
+def read_json(option: str, path: str) -> object:
+    """A JSON file a user gives (a model folder's config.json, its index): its absence or damage (one
+    stray comma of a hand edit) is one line naming the file."""
+    check_file(option, path, text=True)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as e:  # malformed, or not UTF-8 past the part check_file reads
+        raise ConfigError(
+            f"{option}: {shown(path)} is not valid JSON ({e}); fix it or download it again"
+        ) from None
 
 
 def check_dataset_path(option: str, path: str, resolved: str) -> None:

@@ -26,7 +26,8 @@ from torchtitan.train_step import TrainStep, autocast_context, parallelize_model
 
 
 def vocab_size_of(cfg: JobConfig) -> int:
-    """The embedding rows train.py would use: max(model.vocab_size, the tokenizer's vocabulary).
+    """The embedding rows train.py would use (torchtitan.models.vocab_size: model.vocab_size, the Hugging
+    Face folder's or the tokenizer's).
     The tokenizer (a file, or a Hugging Face tokenizer folder) may be missing here when model.vocab_size
     is set."""
     path = resolve_path(cfg.model.tokenizer_path)
@@ -38,7 +39,7 @@ def vocab_size_of(cfg: JobConfig) -> int:
             "--model.vocab_size 128256 for Llama 3's tokenizer"
         )
     with bad_input("model.tokenizer_path"):  # e.g. not a tokenizer file
-        return padded_vocab_size(cfg.model, build_tokenizer(path).n_words)
+        return padded_vocab_size(cfg, build_tokenizer(path).n_words)
 
 
 def pipeline_stage_io(

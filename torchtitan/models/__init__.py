@@ -3,13 +3,17 @@ job builds its model with.
 
 Torch-free, so that the preflight checks a flavour and its shape before any worker starts."""
 
+import os
 from dataclasses import replace
 
 from torchtitan.config.options import ConfigError, JobConfig, ModelConfig
+from torchtitan.config.paths import read_json
 from torchtitan.models.llama import llama2_configs, llama3_configs
 from torchtitan.models.qwen3 import qwen3_configs
 from torchtitan.models.qwen3_moe import moe_flops_per_token, qwen3_moe_configs
 from torchtitan.models.spec import ModelArgs, ModelSpec
+
+HF_CONFIG = "config.json"  # what makes a folder a Hugging Face model's
 
 
 def _llama(name: str, flavors: dict) -> ModelSpec:
@@ -62,14 +66,42 @@ def flavor_args(model_config: ModelConfig) -> ModelArgs:
     return flavors[model_config.flavor]
 
 
-def vocab_size(model_config: ModelConfig, tokenizer_words: int) -> int:
-    """Embedding and output rows: the tokenizer's vocabulary, padded up to model.vocab_size."""
+def hf_vocab_size(path: str | None) -> int | None:
+    """The vocabulary of the Hugging Face folder a run starts from (checkpoint.initial_load_path: its
+    config.json's vocab_size), None for another checkpoint or none. The Hub's models pad it beyond
+    their tokenizer's ids (Qwen3: 151,936 rows for 151,669 ids)."""
+    config_path = os.path.join(path, HF_CONFIG) if path is not None else ""
+    if not os.path.isfile(config_path):
+        return None
+    config = read_json("checkpoint.initial_load_path", config_path)
+    words = config.get("vocab_size") if isinstance(config, dict) else None
+    if not isinstance(words, int) or words < 1:
+        raise ConfigError(
+            f"checkpoint.initial_load_path: {config_path} has no positive integer vocab_size; point it at a "
+            "Hugging Face model folder"
+        )
+    return words
+
+
+def vocab_size(job_config: JobConfig, tokenizer_words: int) -> int:
+    """Embedding and output rows: model.vocab_size when set, else those of the Hugging Face folder the
+    run starts from, else the tokenizer's vocabulary; never fewer than the tokenizer's ids."""
+    model_config = job_config.model
     if 0 < model_config.vocab_size < tokenizer_words:
         raise ConfigError(
             f"model.vocab_size: {model_config.vocab_size} is smaller than the tokenizer's {tokenizer_words} "
             "tokens; use -1 or a larger value"
         )
-    return max(model_config.vocab_size, tokenizer_words)
+    folder_words = hf_vocab_size(job_config.checkpoint.initial_load_path)
+    if model_config.vocab_size != -1 or folder_words is None:
+        return max(model_config.vocab_size, tokenizer_words)
+    if folder_words < tokenizer_words:
+        raise ConfigError(
+            f"model.vocab_size: -1 takes the vocabulary of checkpoint.initial_load_path, whose "
+            f"{folder_words} rows are fewer than the tokenizer's {tokenizer_words} ids; set "
+            "model.tokenizer_path to the folder's tokenizer"
+        )
+    return folder_words
 
 
 def build_model_args(
@@ -82,7 +114,7 @@ def build_model_args(
         raise ConfigError("model.attn_mask_type: block_causal needs the tokenizer's EOS id; use causal")
     return replace(
         flavor_args(job_config.model),
-        vocab_size=vocab_size(job_config.model, tokenizer_words),
+        vocab_size=vocab_size(job_config, tokenizer_words),
         max_seq_len=job_config.training.seq_len,
         attn_mask_type=mask,
         eos_id=eos_id,

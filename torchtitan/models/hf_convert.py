@@ -15,6 +15,13 @@ import torch
 
 from torchtitan.models.spec import ModelArgs
 
+# Tensors of HF folders that no family here has a place for, left out by name (the reader says which):
+# their pattern -> what they are.
+SKIPPED = {
+    re.compile(r"(model\.)?mtp\..+"): "multi-token prediction",
+    re.compile(r".+\.rotary_emb\.inv_freq"): "RoPE frequencies, which the model computes",
+}
+
 # (our parameter name, its tensor in the source layout) -> the tensor in the target layout.
 RowOrder = Callable[[str, torch.Tensor], torch.Tensor]
 

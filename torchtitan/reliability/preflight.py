@@ -8,7 +8,12 @@ import os
 import subprocess
 import sys
 
-from torchtitan.checkpoint.folder import check_initial_load_path, check_load_step, checkpoint_folder
+from torchtitan.checkpoint.folder import (
+    check_hf_export_folder,
+    check_initial_load_path,
+    check_load_step,
+    checkpoint_folder,
+)
 from torchtitan.config.options import ConfigError, JobConfig
 from torchtitan.config.parser import parse_args
 from torchtitan.config.paths import (
@@ -21,6 +26,7 @@ from torchtitan.config.paths import (
 )
 from torchtitan.config_rules import (
     check_float8,
+    check_hf_export,
     check_layout,
     check_lr_schedule,
     check_optimizer,
@@ -46,6 +52,7 @@ def check_job(job_config: JobConfig, world_size: int | None) -> None:
     flavor_args(job_config.model)
     check_lr_schedule(job_config.lr_scheduler, job_config.training.steps)
     check_optimizer(job_config.optimizer)
+    check_hf_export(job_config)
     parallel_dims = check_layout(job_config, world_size) if world_size is not None else None
     if job_config.float8.enable_float8_linear:
         device_type, cuda_capability = gpu_facts()
@@ -128,6 +135,7 @@ def _check_checkpoint(job_config: JobConfig) -> None:
         check_folder("checkpoint.folder", folder, fix="move it or set checkpoint.folder")
     if job_config.checkpoint.enable_checkpoint:
         check_load_step(job_config.checkpoint, folder)
+    check_hf_export_folder(job_config)
 
 
 def main(argv: list[str]) -> int:
