@@ -133,6 +133,7 @@ def main(job_config: JobConfig) -> int:
                 gc.collect(1)
 
             optimizer.zero_grad()
+            lr = lr_scheduler.get_last_lr()[0]  # this step's: the scheduler steps after the update
             loss = train_step.forward_backward(batches)
             grad_norm = clip_grad_norm_(params, training.max_norm, meshes.pp)
             if nonfinite.step_ok(step, grad_norm):
@@ -149,7 +150,7 @@ def main(job_config: JobConfig) -> int:
                     step,
                     loss_value,
                     grad_norm.item(),
-                    lr_scheduler.get_last_lr()[0],
+                    lr,
                     nonfinite.skipped,
                     data_loader.tokens_by_source(),
                     {name: value.item() for name, value in moe_metrics.items()},

@@ -75,10 +75,16 @@ def draw(ax, records: dict[int, dict], key: str, label: str, color: str | None =
 
 def plot(runs: list[str], output: str):
     """Write the figure to `output`; returns it."""
-    import matplotlib
+    try:  # optional: pyproject.toml's `plots` extra
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ConfigError(
+            "plotting needs matplotlib, which is not installed: run `./scripts/install.sh --dev` or "
+            "`.venv/bin/pip install matplotlib` (--compare needs nothing more)"
+        ) from e
 
     metrics = [load_metrics(r) for r in runs]
     check_output_file("--output", output)

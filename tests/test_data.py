@@ -14,12 +14,14 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
+from torchtitan.config.parser import parse_args  # noqa: E402
 from torchtitan.datasets.build import DataSource, build_dataset  # noqa: E402
 from torchtitan.datasets.layout import BatchLayout  # noqa: E402
 from torchtitan.datasets.loader import DataLoader  # noqa: E402
 from torchtitan.datasets.sources import load_text_dataset  # noqa: E402
 from torchtitan.datasets.text import TextDataset as HuggingFaceDataset  # noqa: E402
 from torchtitan.datasets.tokenizer import Tokenizer  # noqa: E402
+from torchtitan.validation import validation_batch_size  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN = 32
@@ -462,6 +464,19 @@ def test_kjv_validation_split():
     assert validation[0]["text"].startswith("Genesis 50\n\n")
     assert not set(validation["text"]) & set(train["text"])
     assert len(load_text_dataset("kjv", split="validation")) == len(validation)
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 4, 8])
+def test_the_default_recipe_evaluates_at_every_gpu_count(tok, nproc):
+    """The default recipe's validation batch fits its held-out split at NGPU 1 to 8: every rank's first
+    global validation batch is whole (at 8 sequences per rank, NGPU 2 already had a row of one short
+    chapter, and train.py refused the split at its start)."""
+    job = parse_args(["--job.config_file", str(REPO_ROOT / "train_configs" / "debug_model.toml")])
+    batch_size, seq_len = validation_batch_size(job), job.training.seq_len
+    source = DataSource(job.validation.dataset, split="validation")
+    for rank in range(nproc):
+        dataset = build_dataset(source, tok, seq_len, BatchLayout(batch_size, nproc, rank), infinite=False)
+        assert next(iter(DataLoader(dataset, batch_size)), None) is not None, f"rank {rank} of {nproc}"
 
 
 def test_local_formats(tmp_path: Path):

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import shutil
+import sys
 
 import pytest
 import torch
@@ -81,6 +82,18 @@ def test_plot_overlays_runs_in_one_png(runs, tmp_path):
         "b (validation)": [3, 6],
     }
     assert plot_metrics.run_labels([str(runs[0]), str(runs[1] / "metrics.jsonl")]) == ["a", "b"]
+
+
+def test_plot_without_matplotlib_is_one_line_naming_the_install(runs, tmp_path, capsys, monkeypatch):
+    """matplotlib is optional (a runtime install leaves it out): plotting then refuses in one line."""
+    for name in ("matplotlib", "matplotlib.pyplot"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import matplotlib` raises ImportError
+    assert plot_metrics.main([str(runs[0]), "-o", str(tmp_path / "plot.png")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: plotting needs matplotlib, which is not installed: run `./scripts/install.sh --dev` or "
+        "`.venv/bin/pip install matplotlib` (--compare needs nothing more)"
+    ]
+    assert not (tmp_path / "plot.png").exists()
 
 
 def test_compare_passes_on_equal_losses_and_fails_on_a_difference(runs, tmp_path, capsys):

@@ -225,6 +225,7 @@ class MetricLogger:
             f"{c.blue}tps: {record['tps']:,.0f}  "
             f"{c.magenta}mfu: {mfu_text}  "
             f"{c.yellow}memory: {record['memory_gib']:.2f}GiB({record['memory_pct']:.1f}%)  "
+            f"{c.gray}data: {record['data_time_pct']:.1f}%  "
             f"{c.gray}eta: {format_duration(eta)}{c.reset}"
         )
         self._record(record)

@@ -88,7 +88,6 @@ def part_moe_grouped_mm(out: Path, small: bool) -> dict:
     return result
 
 
-
 def _document_ids(seqlen: int, documents: int, gen: torch.Generator) -> torch.Tensor:
     """(1, seqlen) ids of `documents` packed documents of uneven lengths (cut at random positions)."""
     cuts = torch.randperm(seqlen - 1, generator=gen)[: documents - 1] + 1
@@ -245,4 +244,3 @@ def part_cp_attention_cuda(out: Path, small: bool) -> dict:
                 name = f"{mask}_rank{rank}_{str(dtype).split('.')[1]}_out_dq_dk_dv"
                 result[name] = [f"{e:.2e}" for e in errors]
     return result
-

@@ -163,4 +163,3 @@ def part_fsdp2_one_gpu(out: Path, small: bool) -> dict:
     base += ["--training.global_batch_size", "2"]
     variants = {f"gather_{d}": ["--parallelism.fsdp_gather_dtype", d] for d in ("bfloat16", "float32")}
     return _one_process_and_two_ranks(out, "fsdp2_one_gpu", base, variants, [])  # FSDP takes both ranks
-

@@ -129,10 +129,8 @@ def part_qwen3_moe_2layers(out: Path, small: bool) -> dict:
     return train_figures(out, "qwen3_moe_2layers", argv, small, ("qwen3_moe", "30B-A3B", 2))
 
 
-
 def part_llama1b_muon(out: Path, small: bool) -> dict:
     return train_figures(out, "llama1b_muon", [*LLAMA_1B, "--optimizer.name", "Muon"], small, None)
-
 
 
 def part_host_syncs(out: Path, small: bool) -> dict:
@@ -184,4 +182,3 @@ def part_torchtitan_1b(out: Path, small: bool) -> dict:
     summary = json.loads((out / "torchtitan_1b" / "torchtitan_summary.json").read_text())
     keep = ("tps", "mfu", "memory_gib", "steps", "exit_code", "tps_median", "mfu_ours_formula")
     return {"torchtitan": {k: summary.get(k) for k in keep}}
-
