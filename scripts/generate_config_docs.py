@@ -15,6 +15,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from torchtitan.config.options import JobConfig, default_of  # noqa: E402
+from torchtitan.config.parser import OneLineParser  # noqa: E402
+from torchtitan.errors import run_with_exit_codes  # noqa: E402
 
 OUTPUT = ROOT / "docs" / "config_reference.md"
 
@@ -77,9 +79,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="exit 1 if the page is out of date")
     args = parser.parse_args(argv)
     text = render()
@@ -95,4 +95,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_with_exit_codes(main))
