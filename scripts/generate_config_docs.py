@@ -1,7 +1,7 @@
 """Write docs/config_reference.md from the option declarations in torchtitan/config/options.py.
 
-python scripts/generate_config_docs.py           # regenerate the page
-python scripts/generate_config_docs.py --check   # exit 1 if the page is out of date
+.venv/bin/python scripts/generate_config_docs.py           # regenerate the page
+.venv/bin/python scripts/generate_config_docs.py --check   # exit 1 if the page is out of date
 """
 
 import argparse
@@ -27,7 +27,7 @@ HEADER = """# Configuration reference
 Every option below can be set in the job's TOML file (`key = value` under its `[section]`) or on
 the command line (`--section.key VALUE` or `--section.key=VALUE`); the command line wins over the
 file, and the file over the default. List options take a TOML array, or comma-separated values on
-the command line. `python train.py --help` prints the same list.
+the command line. `.venv/bin/python train.py --help` prints the same list.
 """
 
 
@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     text = render()
     if args.check:
         if not OUTPUT.is_file() or OUTPUT.read_text() != text:
-            print(f"{OUTPUT.relative_to(ROOT)} is out of date: run python scripts/generate_config_docs.py")
+            page = OUTPUT.relative_to(ROOT)
+            print(f"{page} is out of date: run .venv/bin/python scripts/generate_config_docs.py")
             return 1
         return 0
     os.makedirs(OUTPUT.parent, exist_ok=True)
