@@ -12,7 +12,6 @@ surviving ranks must exit by themselves (their next collective fails); retention
 one was saved. The last launch runs to the end. Exit code 0 when every trial passed.
 """
 
-import argparse
 import contextlib
 import json
 import os
@@ -32,6 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from torchtitan.checkpoint.safe_reader import read_checkpoint  # noqa: E402
+from torchtitan.config.options import ConfigError  # noqa: E402
+from torchtitan.config.parser import OneLineParser, positive_int  # noqa: E402
+from torchtitan.errors import run_with_exit_codes  # noqa: E402
 
 STEPS = 8
 COMM_TIMEOUT = 10  # comm.train_timeout_seconds: how long a survivor may wait on a dead rank
@@ -240,16 +242,16 @@ def trial(rng: random.Random, nproc: int, dump_folder: Path, reference: Path, *a
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trials", type=int, default=5)
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trials", type=positive_int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--nproc", type=positive_int, default=2)
     parser.add_argument("--workdir", type=Path, default=ROOT / "outputs" / "chaos")
     parser.add_argument("--async-mode", default="disabled", choices=("disabled", "async"))
     args = parser.parse_args()
     extra = ["--checkpoint.async_mode", args.async_mode]
     if args.workdir.exists():
-        raise SystemExit(f"error: {args.workdir} exists; remove it or pass another --workdir")
+        raise ConfigError(f"--workdir: {args.workdir} exists; remove it or pass another --workdir")
     reference = args.workdir / "reference"
     run_to_end(args.nproc, reference, *extra)
     failures = 0
@@ -266,4 +268,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_with_exit_codes(main))

@@ -91,7 +91,15 @@ def run(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return 0
+    # Torch's warnings that tell an estimator's user nothing (the simulation processes are forked, so
+    # they inherit these filters): its profiler's schedule, a deprecation inside DeviceMesh's own
+    # slicing, and FSDP2's caution about a view returned by a unit (the embedding under TP, the
+    # experts), which no caller modifies in place: the parity tests check every layout's gradients.
     warnings.filterwarnings("ignore", message=".*Profiler won't be using warmup.*")
+    warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
+    warnings.filterwarnings(
+        "ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor", category=UserWarning
+    )
     # DTensor's advice to flatten the mesh for the gradient norm's all-reduces: once per process.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     expert_load, argv = pop_expert_load(argv)

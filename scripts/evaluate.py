@@ -1,8 +1,12 @@
-"""Print a checkpoint's held-out loss and perplexity, on any number of processes and any layout.
+r"""Print a checkpoint's held-out loss and perplexity, on any number of processes and any layout.
 
-    python scripts/evaluate.py --job.config_file F --job.dump_folder D [--checkpoint.load_step N |
+    .venv/bin/python scripts/evaluate.py --job.config_file F --job.dump_folder D [--checkpoint.load_step N |
         --checkpoint.initial_load_path P] [--validation.dataset_path ...] [--section.key VALUE ...]
-    torchrun --nproc_per_node 4 scripts/evaluate.py ... --parallelism.tensor_parallel_degree 2
+    .venv/bin/python -m torchtitan.reliability.launcher --nproc_per_node 4 --local-ranks-filter 0 \
+        scripts/evaluate.py ... --parallelism.tensor_parallel_degree 2
+
+Several processes are started with the trainer's launcher (run_llama_train.sh's): it ends with the
+first failed rank's code and one line, where plain torchrun shows a ChildFailedError traceback.
 
 The model and the data come from the run's own options, as train.py reads them: the checkpoint is
 checkpoint.load_step's, else the newest in {dump_folder}/{checkpoint.folder} (weights-only exports
@@ -14,6 +18,7 @@ safe reader. Exit codes and one-line errors are train.py's.
 
 import os
 import sys
+import time
 import warnings
 
 import torch
@@ -33,6 +38,36 @@ from torchtitan.parallelisms.distributed import init_distributed  # noqa: E402
 from torchtitan.reliability.entry import exit_process, run_job  # noqa: E402
 from torchtitan.train_step import TrainStep, parallelize_model  # noqa: E402
 from torchtitan.validation import Validator  # noqa: E402
+
+# Seconds between two progress lines: quiet on a short evaluation, a sign of life on a long one.
+PROGRESS_SECONDS = 30.0
+
+
+class Progress:
+    """Says on stderr what is evaluated, then how far it got every PROGRESS_SECONDS: the result
+    comes only at the end, which on a large model and split is many minutes away."""
+
+    def __init__(self, path: str, job_config: JobConfig, tokens_per_batch: int) -> None:
+        validation = job_config.validation
+        batches = "the whole split, in batches" if validation.steps == -1 else f"{validation.steps} batches"
+        self.tokens_per_batch = tokens_per_batch
+        self.start = self.last = time.perf_counter()
+        print(
+            f"Evaluating {path} on {validation.dataset_path or validation.dataset}: {batches} "
+            f"of {tokens_per_batch:,} tokens",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def __call__(self, done: int) -> None:
+        now = time.perf_counter()
+        if now - self.last >= PROGRESS_SECONDS:
+            self.last = now
+            print(
+                f"  {done} batches ({done * self.tokens_per_batch:,} tokens) in {now - self.start:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def evaluate(job_config: JobConfig) -> int:
@@ -60,7 +95,9 @@ def evaluate(job_config: JobConfig) -> int:
     train_step = TrainStep(
         model_parts, pipeline, parallel_dims, job_config.training, device, cp_mesh=meshes.cp
     )
-    result = Validator(job_config, train_step, tokenizer, meshes).validate()
+    validator = Validator(job_config, train_step, tokenizer, meshes)
+    progress = Progress(path, job_config, validator.tokens_per_batch) if rank == 0 else None
+    result = validator.validate(progress)
     if rank == 0:
         print(
             f"{path}: loss {result.loss:.6f}  perplexity {result.perplexity:.4f}  "

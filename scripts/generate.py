@@ -25,7 +25,7 @@ from torchtitan.checkpoint.hf_reader import load_hf_weights  # noqa: E402
 from torchtitan.checkpoint.load import check_model_record  # noqa: E402
 from torchtitan.checkpoint.safe_reader import SafeLoadPlanner, SafeReader, saved_entries  # noqa: E402
 from torchtitan.config.options import ConfigError, JobConfig  # noqa: E402
-from torchtitan.config.parser import parse_args  # noqa: E402
+from torchtitan.config.parser import OneLineParser, parse_args  # noqa: E402
 from torchtitan.config.paths import check_folder, resolve_path  # noqa: E402
 from torchtitan.datasets.tokenizer import AnyTokenizer, build_tokenizer  # noqa: E402
 from torchtitan.errors import bad_input, run_with_exit_codes  # noqa: E402
@@ -33,8 +33,8 @@ from torchtitan.models import build_model_args, model_spec  # noqa: E402
 from torchtitan.reliability.preflight import check_model_files  # noqa: E402
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(
         prog="generate.py",
         description="Sample text from a run's checkpoint. Every train.py option (--section.key VALUE) "
         "is accepted too and selects the run: see `python train.py --help`.",
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     return run_with_exit_codes(lambda: run(sys.argv[1:] if argv is None else argv))
 
 
-def check_sampling(parser: argparse.ArgumentParser, args: argparse.Namespace, job_argv: list[str]) -> None:
+def check_sampling(parser: OneLineParser, args: argparse.Namespace, job_argv: list[str]) -> None:
     """The sampling options; what is left must be train.py's, which all have a section: --section.key."""
     for arg in job_argv:
         name = arg[2:].split("=", 1)[0]

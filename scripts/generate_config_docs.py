@@ -1,7 +1,7 @@
 """Write docs/config_reference.md from the option declarations in torchtitan/config/options.py.
 
-python scripts/generate_config_docs.py           # regenerate the page
-python scripts/generate_config_docs.py --check   # exit 1 if the page is out of date
+.venv/bin/python scripts/generate_config_docs.py           # regenerate the page
+.venv/bin/python scripts/generate_config_docs.py --check   # exit 1 if the page is out of date
 """
 
 import argparse
@@ -15,6 +15,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from torchtitan.config.options import JobConfig, default_of  # noqa: E402
+from torchtitan.config.parser import OneLineParser  # noqa: E402
+from torchtitan.errors import run_with_exit_codes  # noqa: E402
 
 OUTPUT = ROOT / "docs" / "config_reference.md"
 
@@ -25,7 +27,7 @@ HEADER = """# Configuration reference
 Every option below can be set in the job's TOML file (`key = value` under its `[section]`) or on
 the command line (`--section.key VALUE` or `--section.key=VALUE`); the command line wins over the
 file, and the file over the default. List options take a TOML array, or comma-separated values on
-the command line. `python train.py --help` prints the same list.
+the command line. `.venv/bin/python train.py --help` prints the same list.
 """
 
 
@@ -77,15 +79,14 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="exit 1 if the page is out of date")
     args = parser.parse_args(argv)
     text = render()
     if args.check:
         if not OUTPUT.is_file() or OUTPUT.read_text() != text:
-            print(f"{OUTPUT.relative_to(ROOT)} is out of date: run python scripts/generate_config_docs.py")
+            page = OUTPUT.relative_to(ROOT)
+            print(f"{page} is out of date: run .venv/bin/python scripts/generate_config_docs.py")
             return 1
         return 0
     os.makedirs(OUTPUT.parent, exist_ok=True)
@@ -95,4 +96,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_with_exit_codes(main))

@@ -13,9 +13,15 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+from torchtitan.config.options import ConfigError  # noqa: E402
+from torchtitan.config.parser import OneLineParser, positive_int  # noqa: E402
+from torchtitan.errors import run_with_exit_codes  # noqa: E402
+
 # Genesis 1:1 to Revelation 22:21; -l/-m lift the default line and verse limits of the `bible` CLI.
 BIBLE_CMD = ["bible", "-l", "100000", "-m", "8192", "Gen1:1-Rev22:21"]
 EXPECTED_CHAPTERS = 1189
@@ -29,7 +35,7 @@ _VERSE = re.compile(r"^\s*\d+ (.+)$")
 def read_bible_text() -> str:
     """Print the whole KJV with the `bible` CLI and return its output."""
     if shutil.which("bible") is None:
-        raise SystemExit(
+        raise ConfigError(
             "`bible` not found: install Debian's bible-kjv package (apt-get install -y bible-kjv)"
         )
     return subprocess.run(BIBLE_CMD, check=True, capture_output=True, text=True).stdout
@@ -59,12 +65,12 @@ def write_jsonl(path: Path, docs: list[str]) -> None:
             f.write(json.dumps({"text": doc}, ensure_ascii=False) + "\n")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def main() -> int:
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "assets" / "corpus" / "kjv")
-    parser.add_argument("--holdout-every", type=int, default=50, help="every N-th chapter goes to validation")
+    parser.add_argument(
+        "--holdout-every", type=positive_int, default=50, help="every N-th chapter goes to validation"
+    )
     args = parser.parse_args()
 
     docs = split_chapters(read_bible_text())
@@ -77,7 +83,8 @@ def main() -> None:
     write_jsonl(args.out_dir / "validation.jsonl", validation)
     n_chars = sum(len(d) for d in docs)
     print(f"wrote {len(train)} train + {len(validation)} validation chapters ({n_chars:,} chars)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_with_exit_codes(main))

@@ -23,7 +23,6 @@ run's first spike (a step whose loss exceeds the previous one's by more than SPI
 the debug model at 256 tokens, earlier for some models and lengths.
 """
 
-import argparse
 import dataclasses
 import math
 import sys
@@ -37,6 +36,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # scripts.parity_layouts, tests
 from launch import read_metrics, run_train, validation_losses  # noqa: E402
 
 from scripts.parity_layouts import MATRIX, Layout  # noqa: E402
+from torchtitan.config.parser import OneLineParser, positive_int  # noqa: E402
+from torchtitan.errors import run_with_exit_codes  # noqa: E402
 
 # The bf16 comparison's setup (issue #28): longer sequences and warm-up than the fp32 matrix's.
 BF16_SETUP = ("--training.seq_len", "256", "--lr_scheduler.warmup_steps", "10")
@@ -220,9 +221,9 @@ def format_table(results: list[Result], tol: float) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", default=[], help="run layouts whose name contains one of these")
-    parser.add_argument("--steps", type=int, default=10, help="training steps per run (default 10)")
+    parser.add_argument("--steps", type=positive_int, default=10, help="training steps per run (default 10)")
     parser.add_argument("--tol", type=float, default=1e-5, help="largest allowed difference (default 1e-5)")
     parser.add_argument("--keep", type=Path, help="keep the runs' outputs in this folder")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="see above")
@@ -264,4 +265,4 @@ def bf16_main(layouts: list[Layout], keep: Path | None, bound: float) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_with_exit_codes(main))

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import datasets  # noqa: E402
 
 from torchtitan.config.options import ConfigError  # noqa: E402
-from torchtitan.config.parser import parse_args  # noqa: E402
+from torchtitan.config.parser import OneLineParser, parse_args, positive_int  # noqa: E402
 from torchtitan.config.paths import resolve_path  # noqa: E402
 from torchtitan.datasets.pretokenized import pretokenize  # noqa: E402
 from torchtitan.datasets.sources import load_text_dataset  # noqa: E402
@@ -36,17 +36,6 @@ from torchtitan.errors import EXIT_OK, bad_input, run_with_exit_codes  # noqa: E
 from torchtitan.reliability.dump_lock import pid_runs  # noqa: E402
 
 WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)  # only ever a write's
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, not argparse's usage block
-        raise ConfigError(message)
-
-
-def positive(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
-    return int(value)
 
 
 def remove_stale_temporaries(output: Path) -> None:
@@ -77,11 +66,11 @@ def output_write_reported(output: Path) -> Iterator[None]:
 
 
 def main(argv: list[str]) -> int:
-    parser = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output", required=True, help="the folder to create")
-    parser.add_argument("--workers", type=positive, default=os.cpu_count(), help="tokenizing processes")
+    parser.add_argument("--workers", type=positive_int, default=os.cpu_count(), help="tokenizing processes")
     parser.add_argument("--split", default="train", help="the dataset's split (default: train)")
-    parser.add_argument("--docs-per-shard", type=positive, default=16384, help="documents per shard file")
+    parser.add_argument("--docs-per-shard", type=positive_int, default=16384, help="documents per shard file")
     own, job_argv = parser.parse_known_args(argv)
     job_config = parse_args(job_argv)
     output = Path(own.output)

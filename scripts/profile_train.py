@@ -1,4 +1,4 @@
-"""Find what stands between a GPU training step and the hardware: run train.py's main() in this
+r"""Find what stands between a GPU training step and the hardware: run train.py's main() in this
 process (executed from its file, as a program), with the same options, and report
 
 - where the CUDA time of a few steady steps goes (matmuls, attention, optimizer, the rest), and
@@ -6,10 +6,12 @@ process (executed from its file, as a program), with the same options, and repor
 - every host-device synchronisation made by the loop after the first steps (CUDA's sync debug
   mode), with the line that made it: outside logging steps there should be none.
 
-    python scripts/profile_train.py --job.config_file train_configs/llama3_1b.toml --training.steps 12
+    .venv/bin/python scripts/profile_train.py --job.config_file train_configs/llama3_1b.toml \
+        --training.steps 12
 
 The profiler follows the loop through a global optimizer-step hook, so train.py needs no changes.
-Its figures are for diagnosis: the reported throughput comes from train.py's own log.
+Its figures are for diagnosis: the reported throughput comes from train.py's own log. It profiles CUDA
+kernels, so on a machine without CUDA it stops at once (exit code 2, one line), as for any bad input.
 """
 
 import os
@@ -25,7 +27,10 @@ from torch.autograd import DeviceType
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from torchtitan.config.options import ConfigError  # noqa: E402
 from torchtitan.config.parser import parse_args  # noqa: E402
+from torchtitan.errors import run_with_exit_codes  # noqa: E402
+from torchtitan.reliability.preflight import check_job  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Kernel-name fragments per category, first match wins.
@@ -54,12 +59,21 @@ def caller(stack: list[traceback.FrameSummary]) -> str:
     return f"{stack[-1].filename}:{stack[-1].lineno}"
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str]) -> int:
     job_config = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "profile_train.py profiles CUDA kernels and this machine has no CUDA device: "
+            "run it on a GPU machine"
+        )
     warmup, active = 4, 3
     first_active = job_config.training.steps - active  # profile the last steps, after compilation
     if first_active <= warmup:
-        raise SystemExit(f"--training.steps must be above {warmup + active}")
+        raise ConfigError(
+            f"--training.steps: profile_train.py profiles the last {active} steps after {warmup} warm-up "
+            f"steps, so give more than {warmup + active}, got {job_config.training.steps}"
+        )
+    check_job(job_config, world_size=1)  # train.py's checks, before any work
     step_times: list[float] = []
     syncs: dict[str, list[int]] = defaultdict(list)
     profiler = torch.profiler.profile(
@@ -70,7 +84,7 @@ def main(argv: list[str]) -> None:
     def after_optimizer_step(optimizer, args, kwargs) -> None:
         step_times.append(time.perf_counter())
         profiler.step()
-        if len(step_times) == 3 and torch.cuda.is_available():  # past step 1's compilation
+        if len(step_times) == 3:  # past step 1's compilation
             torch.cuda.set_sync_debug_mode("warn")
 
     def record_sync(message, category_, filename, lineno, file=None, line=None) -> None:
@@ -84,8 +98,7 @@ def main(argv: list[str]) -> None:
             warnings.showwarning = record_sync
             runpy.run_path(os.path.join(REPO, "train.py"))["main"](job_config)
     finally:
-        if torch.cuda.is_available():
-            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.set_sync_debug_mode(0)
         handle.remove()
 
     kernels: Counter[str] = Counter()
@@ -122,7 +135,8 @@ def main(argv: list[str]) -> None:
         print(f"{len(steps):5d}x at steps {shown[:12]}{' ...' if len(shown) > 12 else ''}: {where}")
     if not syncs:
         print("none")
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(run_with_exit_codes(lambda: main(sys.argv[1:])))

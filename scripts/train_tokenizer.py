@@ -21,6 +21,7 @@ Usage: python scripts/train_tokenizer.py [--format tiktoken|hf] [--vocab-size 20
 import argparse
 import base64
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +29,11 @@ import tiktoken
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+from torchtitan.config.parser import OneLineParser, positive_int  # noqa: E402
+from torchtitan.config.paths import check_file  # noqa: E402
+from torchtitan.errors import run_with_exit_codes  # noqa: E402
+
 LLAMA3_PAT_STR = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
@@ -188,11 +194,11 @@ def write_tiktoken_file(ranks: dict[bytes, int], path: Path) -> None:
             f.write(f"{base64.b64encode(token).decode('ascii')} {rank}\n")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def main() -> int:
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--vocab-size", type=positive_int, default=2000, help="base vocabulary incl. the 256 bytes"
     )
-    parser.add_argument("--vocab-size", type=int, default=2000, help="base vocabulary incl. the 256 bytes")
     parser.add_argument(
         "--corpus", type=Path, nargs="+", default=[REPO_ROOT / "assets/corpus/kjv/train.jsonl"]
     )
@@ -209,7 +215,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.vocab_size <= 256:
-        parser.error("--vocab-size must exceed the 256 single-byte tokens")
+        parser.error(f"argument --vocab-size: must exceed the 256 single-byte tokens, got {args.vocab_size}")
+    for corpus in args.corpus:
+        check_file("--corpus", str(corpus), text=True, fix="give .jsonl files with a 'text' field")
 
     if args.format == "hf":
         output = args.output or REPO_ROOT / "assets/tokenizer/kjv_bpe_hf"
@@ -218,7 +226,7 @@ def main() -> None:
         write_hf_folder(tokenizer, output)
         special = len(QWEN_SPECIAL_TOKENS)
         print(f"wrote {tokenizer.get_vocab_size()} tokens ({special} of them special) to {output}")
-        return
+        return 0
     args.output = args.output or REPO_ROOT / "assets/tokenizer/kjv_bpe.tiktoken"
     tokenizer = train_hf_bpe(args.corpus, args.vocab_size)
     ranks = to_tiktoken_ranks(tokenizer)
@@ -226,7 +234,8 @@ def main() -> None:
     check_matches_hf(tokenizer, ranks, list(iter_documents(args.corpus)))
     write_tiktoken_file(ranks, args.output)
     print(f"wrote {len(ranks)} tokens ({len(ranks) - 256} merges) to {args.output}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_with_exit_codes(main))

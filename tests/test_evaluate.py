@@ -95,3 +95,20 @@ def test_evaluate_without_a_checkpoint_is_one_line(tmp_path, capsys):
     assert load_evaluate().main([*JOB, "--job.dump_folder", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: job.dump_folder: no checkpoint in") and err.count("\n") == 1, err
+
+
+def test_evaluate_shows_progress_on_stderr(tmp_path, capsys, monkeypatch):
+    """What is evaluated at the start, then a line per PROGRESS_SECONDS (0 here: one per batch after
+    the first); stdout keeps the result line only."""
+    tokenizer = Tokenizer(ROOT / "assets" / "tokenizer" / "kjv_bpe.tiktoken")
+    args = build_model_args(parse_args(JOB), tokenizer.n_words)
+    dcp.save({"model": random_model(args).state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    evaluate = load_evaluate()
+    monkeypatch.setattr(evaluate, "PROGRESS_SECONDS", 0.0)
+    job = [*JOB, "--job.dump_folder", str(tmp_path / "run"), "--checkpoint.initial_load_path"]
+    assert evaluate.main([*job, str(tmp_path / "dcp")]) == 0
+    captured = capsys.readouterr()
+    start = f"Evaluating {tmp_path / 'dcp'} on kjv_validation: 2 batches of 128 tokens\n"
+    # After `datasets`' progress bar, when it builds its cache.
+    assert f"{start}  1 batches (128 tokens) in " in captured.err, captured.err
+    assert captured.out.count("\n") == 1 and printed_loss(captured.out) > 0, captured.out

@@ -11,6 +11,7 @@ import functools
 import itertools
 import math
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from torchtitan.config.options import ConfigError, JobConfig
@@ -81,12 +82,16 @@ class Validator:
         """Every validation.freq steps and at the last step."""
         return step % self.freq == 0 or step == self.total_steps
 
-    def validate(self) -> ValidationResult:
+    def validate(self, on_batch: Callable[[int], None] | None = None) -> ValidationResult:
+        """The loss over the validation data; `on_batch(n)` is called once n batches are done (their
+        forward issued), for a script's progress."""
         start = time.perf_counter()
         self.loader.load_state_dict(self.start)
         batches = iter(self.loader)
         if self.steps != -1:
             batches = itertools.islice(batches, self.steps)
+        if on_batch is not None:
+            batches = _reported(batches, on_batch)
         loss_sum, count = self.train_step.evaluate(batches)
         loss = global_mean_loss(loss_sum, self.meshes) / count
         return ValidationResult(loss, count * self.tokens_per_batch, time.perf_counter() - start)
@@ -95,3 +100,9 @@ class Validator:
 def validation_batch_size(job_config: JobConfig) -> int:
     batch_size = job_config.validation.batch_size
     return job_config.training.batch_size if batch_size == -1 else batch_size
+
+
+def _reported(batches: Iterator, on_batch: Callable[[int], None]) -> Iterator:
+    for done, batch in enumerate(batches, 1):
+        yield batch
+        on_batch(done)

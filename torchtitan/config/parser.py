@@ -107,8 +107,25 @@ def _option_table() -> dict[str, tuple[str, str, Any, dict]]:
     }
 
 
-def _build_arg_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+class OneLineParser(argparse.ArgumentParser):
+    """argparse under the one-line contract (train.py's options and every script's own): a bad
+    argument is a ConfigError, which errors.run_with_exit_codes reports in one line with exit code 2,
+    not argparse's usage block."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        # One line, even for an argument with a newline.
+        raise ConfigError(f"{' '.join(message.split())}; see {self.prog} --help")
+
+
+def positive_int(value: str) -> int:
+    """An argparse type for the scripts' counts: OneLineParser names the argument in the error."""
+    if not (value.isascii() and value.isdigit()) or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
+    return int(value)
+
+
+def _build_arg_parser() -> OneLineParser:
+    parser = OneLineParser(
         prog="train.py",
         usage="train.py [--job.config_file FILE] [--section.key VALUE | --section.key=VALUE ...]",
         description="Pre-train a Llama model. Options come from the TOML file given by --job.config_file, "
@@ -132,11 +149,6 @@ def _build_arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> typing.NoReturn:
-        raise ConfigError(" ".join(message.split()))  # one line, even for an argument with a newline
-
-
 def parse_args(argv: list[str] | None = None) -> JobConfig:
     """Build the JobConfig from the command line (and the TOML file it names)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -144,7 +156,6 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     if any(a in ("-h", "--help") for a in argv):
         parser.print_help()
         raise SystemExit(0)
-    parser.__class__ = _Parser
     table = _option_table()
     for arg in argv:
         if arg.startswith("--") and arg[2:].split("=", 1)[0] not in table:
