@@ -1,6 +1,7 @@
 """Performance figures of the trainer, each a ratio of two things measured side by side in one run.
 
-    .venv/bin/python scripts/benchmarks/benchmark.py [--out results.json] [--threads 1] [--only context_parallel]
+    .venv/bin/python scripts/benchmarks/benchmark.py [--out results.json] [--threads 1]
+        [--only context_parallel]
 
 | figure | ratio | goal |
 | --- | --- | --- |

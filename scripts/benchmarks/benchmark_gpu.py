@@ -2,7 +2,8 @@
 priority order, and a part that would not fit in the time left is skipped, so one call of about 8
 minutes prints one table (docs/performance.md keeps the figures, with their setup).
 
-    .venv/bin/python scripts/benchmarks/benchmark_gpu.py --out DIR [--budget 480] [--only llama1b,moe_grouped_mm]
+    .venv/bin/python scripts/benchmarks/benchmark_gpu.py --out DIR [--budget 480]
+        [--only llama1b,moe_grouped_mm]
         [--small]
 
 | part | what |

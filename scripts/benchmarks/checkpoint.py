@@ -6,7 +6,8 @@ write for a sync save, the staging copy for an async one (the previous async sav
 before each step: a real run saves seldom enough for it to be done). One process with a process group,
 so async saves use the background writer process, as in a multi-rank run.
 
-    .venv/bin/python scripts/benchmarks/checkpoint.py [--folder /tmp/benchmark_checkpoint] [--modes disabled async]
+    .venv/bin/python scripts/benchmarks/checkpoint.py [--folder /tmp/benchmark_checkpoint]
+        [--modes disabled async]
 """
 
 import argparse
