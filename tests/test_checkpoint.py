@@ -264,3 +264,19 @@ def test_rng_state_is_restored(tmp_path):
     torch.manual_seed(123)
     resumed.checkpoint.load()
     assert torch.equal(torch.rand(4), after_save)
+
+
+def test_tools_read_a_checkpoint_without_warnings(tmp_path, capsys):
+    """The converters, generate.py and evaluate.py read checkpoints in one process on purpose: DCP's
+    warning that it assumes so is noise on their output; local data loads print no progress bars."""
+    from torchtitan.checkpoint.safe_reader import read_checkpoint
+    from torchtitan.datasets.sources import load_text_dataset
+
+    dcp.save({"model": {"w": torch.arange(3.0)}}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    (tmp_path / "docs.jsonl").write_text('{"text": "In the beginning"}\n')  # a new file: generated anew
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(read_checkpoint(str(tmp_path / "ckpt"), "model.")["model.w"], torch.arange(3.0))
+        load_text_dataset("docs", str(tmp_path / "docs.jsonl"))
+    assert [str(w.message) for w in caught] == []
+    assert "Generating" not in capsys.readouterr().err

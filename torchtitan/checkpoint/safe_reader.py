@@ -11,6 +11,7 @@ project's non-tensor state is such (the optimizer's hyperparameters, the data lo
 import io
 import os
 import pickle
+import warnings
 from typing import Any
 
 import torch
@@ -98,5 +99,7 @@ def read_checkpoint(path: str, prefix: str = "") -> dict[str, Any]:
         else None
         for key, entry in entries.items()
     }
-    dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), no_dist=True)
+    with warnings.catch_warnings():  # DCP warns that it reads in one process even when told so (no_dist)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), no_dist=True)
     return state

@@ -62,7 +62,14 @@ def _load_local(path: Path, split: str) -> datasets.Dataset:
     builder = builders.pop()
     # A .txt file is one document; json/parquet rows are documents.
     options = {"sample_by": "document"} if builder == "text" else {}
-    return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **options)
+    # Local files: the "Generating train split" bar tells nothing (a hub download keeps its bars).
+    bars_were_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **options)
+    finally:
+        if bars_were_on:
+            datasets.enable_progress_bars()
 
 
 def _local_path(spec: DatasetSpec | None, dataset_path: str | None) -> Path | None:
