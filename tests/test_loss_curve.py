@@ -23,3 +23,13 @@ def test_a_moved_value_or_a_missing_step_is_a_difference():
     assert loss_curve.differences(shorter, curve, 1e-6) == [
         "validation_loss: logged at steps [50], stored at [50, 100]"
     ]
+
+
+def test_the_readme_quotes_the_stored_validation_loss():
+    """README's Quick start quotes the first command's validation line: the stored curve's step 50."""
+    import math
+    from pathlib import Path
+
+    loss = loss_curve.stored()["validation_loss"][50]
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert f"validate step 50: loss {loss:.4f}  perplexity {math.exp(loss):.2f}" in readme
