@@ -15,12 +15,13 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from torchtitan.config.parser import parse_args  # noqa: E402
+from torchtitan.config.paths import resolve_path  # noqa: E402
 from torchtitan.datasets.build import DataSource, build_dataset  # noqa: E402
 from torchtitan.datasets.layout import BatchLayout  # noqa: E402
 from torchtitan.datasets.loader import DataLoader  # noqa: E402
 from torchtitan.datasets.sources import load_text_dataset  # noqa: E402
 from torchtitan.datasets.text import TextDataset as HuggingFaceDataset  # noqa: E402
-from torchtitan.datasets.tokenizer import Tokenizer  # noqa: E402
+from torchtitan.datasets.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
 from torchtitan.validation import validation_batch_size  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -467,11 +468,13 @@ def test_kjv_validation_split():
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 4, 8])
-def test_the_default_recipe_evaluates_at_every_gpu_count(tok, nproc):
-    """The default recipe's validation batch fits its held-out split at NGPU 1 to 8: every rank's first
-    global validation batch is whole (at 8 sequences per rank, NGPU 2 already had a row of one short
-    chapter, and train.py refused the split at its start)."""
-    job = parse_args(["--job.config_file", str(REPO_ROOT / "train_configs" / "debug_model.toml")])
+@pytest.mark.parametrize("recipe", ["debug_model", "debug_model_muon", "qwen3_debug", "qwen3_moe_debug"])
+def test_the_debug_recipes_evaluate_at_every_gpu_count(recipe, nproc):
+    """The debug recipes' validation batch fits the bundled held-out split at NGPU 1 to 8: every rank's
+    first global validation batch is whole (at 8 sequences per rank, NGPU 2 already had a row of one
+    short chapter, and train.py refused the split at its start)."""
+    job = parse_args(["--job.config_file", str(REPO_ROOT / "train_configs" / f"{recipe}.toml")])
+    tok = build_tokenizer(resolve_path(job.model.tokenizer_path))
     batch_size, seq_len = validation_batch_size(job), job.training.seq_len
     source = DataSource(job.validation.dataset, split="validation")
     for rank in range(nproc):
