@@ -114,8 +114,11 @@ def run_part(name: str, tmp: str, threads: int, nproc: int = 1, cpu: bool = Fals
         launcher += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
         launcher += ["--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
     cmd = [*launcher, __file__, "--part", name, "--tmp", tmp, "--result", result]
+    print(f"  part {name} on {nproc} process{'es' if nproc > 1 else ''}...", end="", flush=True)
+    start = time.perf_counter()
     with open(os.path.join(tmp, f"{name}-{nproc}.log"), "w") as log:
         done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    print(f" {time.perf_counter() - start:.0f} s", flush=True)
     if done.returncode != 0:
         raise SystemExit(
             f"benchmark part {name} failed; see {log.name}:\n" + Path(log.name).read_text()[-3000:]
