@@ -11,8 +11,9 @@ first failed rank's code and one line, where plain torchrun shows a ChildFailedE
 The model and the data come from the run's own options, as train.py reads them: the checkpoint is
 checkpoint.load_step's, else the newest in {dump_folder}/{checkpoint.folder} (weights-only exports
 included), else checkpoint.initial_load_path (a DCP checkpoint or a Hugging Face model folder); the
-data is the [validation] section's (validation.steps global batches of validation.batch_size per
-rank, -1: the whole split), whether or not validation.enable is set. The weights are read through the
+data is the [validation] section's (validation.steps global batches of validation.global_batch_size
+sequences, or validation.batch_size per rank; -1: the whole split), whether or not validation.enable
+is set. The weights are read through the
 safe reader. Exit codes and one-line errors are train.py's.
 """
 

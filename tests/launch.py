@@ -37,6 +37,9 @@ TINY_JOB = [
     "float32",
     "--validation.enable",
     "false",
+    # The tests choose a per-rank validation batch (validation.batch_size), not the recipe's global one.
+    "--validation.global_batch_size",
+    "-1",
 ]
 # Validation at steps 5 and 10 on 2 global batches of 4 sequences (per-rank batch: 4 // DP degree).
 VALIDATION = ["--validation.enable", "true", "--validation.freq", "5", "--validation.steps", "2"]

@@ -16,13 +16,13 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from torchtitan.config.parser import parse_args  # noqa: E402
 from torchtitan.config.paths import resolve_path  # noqa: E402
+from torchtitan.config_rules import validation_batch_size  # noqa: E402
 from torchtitan.datasets.build import DataSource, build_dataset  # noqa: E402
 from torchtitan.datasets.layout import BatchLayout  # noqa: E402
 from torchtitan.datasets.loader import DataLoader  # noqa: E402
 from torchtitan.datasets.sources import load_text_dataset  # noqa: E402
 from torchtitan.datasets.text import TextDataset as HuggingFaceDataset  # noqa: E402
 from torchtitan.datasets.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
-from torchtitan.validation import validation_batch_size  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN = 32
@@ -470,12 +470,12 @@ def test_kjv_validation_split():
 @pytest.mark.parametrize("nproc", [1, 2, 4, 8])
 @pytest.mark.parametrize("recipe", ["debug_model", "debug_model_muon", "qwen3_debug", "qwen3_moe_debug"])
 def test_the_debug_recipes_evaluate_at_every_gpu_count(recipe, nproc):
-    """The debug recipes' validation batch fits the bundled held-out split at NGPU 1 to 8: every rank's
-    first global validation batch is whole (at 8 sequences per rank, NGPU 2 already had a row of one
+    """The debug recipes' global validation batch fits the bundled held-out split at NGPU 1 to 8: every
+    rank's first validation batch is whole (at 8 sequences per rank, NGPU 2 already had a row of one
     short chapter, and train.py refused the split at its start)."""
     job = parse_args(["--job.config_file", str(REPO_ROOT / "train_configs" / f"{recipe}.toml")])
     tok = build_tokenizer(resolve_path(job.model.tokenizer_path))
-    batch_size, seq_len = validation_batch_size(job), job.training.seq_len
+    batch_size, seq_len = validation_batch_size(job, nproc), job.training.seq_len
     source = DataSource(job.validation.dataset, split="validation")
     for rank in range(nproc):
         dataset = build_dataset(source, tok, seq_len, BatchLayout(batch_size, nproc, rank), infinite=False)

@@ -86,7 +86,7 @@ def test_vocab_size_pads_the_model_or_is_rejected(tmp_path, capsys):
     tiny = ["--training.steps", "1", "--training.seq_len", "16", "--training.batch_size", "1"]
     # The recipe validates the held-out split once (validation.steps -1) at the last step, here in
     # batches of 16 windows rather than training's 1: 10 forwards instead of some 1,400 (12-40 s).
-    tiny += ["--checkpoint.enable_checkpoint", "false", "--validation.batch_size", "16"]
+    tiny += ["--checkpoint.enable_checkpoint", "false", "--validation.global_batch_size", "16"]
     assert run_train_in_process(*job, str(tmp_path / "small"), "--model.vocab_size", "100") == 2
     err = capsys.readouterr().err
     assert "model.vocab_size: 100 is smaller than the tokenizer's 2256 tokens" in err

@@ -167,7 +167,7 @@ def check_pipeline(job_config: JobConfig, n_layers: int) -> None:
 def check_validation(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
     """Pipeline stages run the training batch's micro-batch shape, and V schedules cannot evaluate."""
     validation = job_config.validation
-    for option in ("steps", "batch_size"):
+    for option in ("steps", "batch_size", "global_batch_size"):
         if getattr(validation, option) == 0:
             raise ConfigError(f"validation.{option}: 0 evaluates nothing; use -1 or a positive number")
     schedule = job_config.parallelism.pipeline_parallel_schedule
@@ -176,12 +176,33 @@ def check_validation(job_config: JobConfig, parallel_dims: ParallelDims) -> None
             f"validation.enable: torch's pipeline evaluation (schedule.eval) cannot run {schedule} "
             "(its V-shaped stages expect a backward); pick another schedule or set validation.enable = false"
         )
-    batch_size, training_batch_size = validation.batch_size, job_config.training.batch_size
-    if validation.enable and parallel_dims.pp_enabled and batch_size not in (-1, training_batch_size):
+    batch_size = validation_batch_size(job_config, parallel_dims.dp_degree)
+    training_batch_size = job_config.training.batch_size
+    if validation.enable and parallel_dims.pp_enabled and batch_size != training_batch_size:
+        option = "global_batch_size" if validation.global_batch_size != -1 else "batch_size"
         raise ConfigError(
-            f"validation.batch_size: {batch_size} differs from training.batch_size {training_batch_size}, "
-            "and pipeline stages run one micro-batch shape; set it to -1 with pipeline parallelism"
+            f"validation.{option}: {getattr(validation, option)} gives {batch_size} sequences per rank, not "
+            f"training.batch_size's {training_batch_size}, and pipeline stages run one micro-batch shape; "
+            "set it to -1 with pipeline parallelism"
         )
+
+
+def validation_batch_size(job_config: JobConfig, dp_degree: int) -> int:
+    """Sequences per rank in a validation batch: validation.global_batch_size over the DP ranks, else
+    validation.batch_size, else training.batch_size."""
+    validation = job_config.validation
+    if validation.global_batch_size != -1:
+        if validation.batch_size != -1:
+            raise ConfigError(
+                "validation.global_batch_size: set it or validation.batch_size, not both; set one to -1"
+            )
+        if validation.global_batch_size % dp_degree:
+            raise ConfigError(
+                f"validation.global_batch_size: {validation.global_batch_size} is not a multiple of the "
+                f"data-parallel degree {dp_degree}; use a multiple, or -1"
+            )
+        return validation.global_batch_size // dp_degree
+    return job_config.training.batch_size if validation.batch_size == -1 else validation.batch_size
 
 
 def mixture_sources(training_config: TrainingConfig) -> list[tuple[str, float]]:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from torchtitan.config.options import ConfigError, JobConfig
+from torchtitan.config_rules import validation_batch_size
 from torchtitan.datasets.build import DataSource, build_dataset
 from torchtitan.datasets.layout import BatchLayout
 from torchtitan.datasets.loader import DataLoader
@@ -54,7 +55,7 @@ class Validator:
         self.train_step = train_step
         self.meshes = meshes
         dp_degree, dp_rank = meshes.dp_degree_and_rank
-        batch_size = validation_batch_size(job_config)
+        batch_size = validation_batch_size(job_config, dp_degree)
         self.tokens_per_batch = batch_size * dp_degree * job_config.training.seq_len
         option = "validation.dataset_path" if validation.dataset_path else "validation.dataset"
         with bad_input(option):
@@ -75,7 +76,8 @@ class Validator:
                 raise ConfigError(
                     f"{option}: {validation.dataset_path or validation.dataset} holds fewer tokens than one "
                     f"global validation batch ({batch_size} x {dp_degree} sequences of "
-                    f"{job_config.training.seq_len + 1} tokens); lower validation.batch_size or use more data"
+                    f"{job_config.training.seq_len + 1} tokens); lower validation.global_batch_size (or "
+                    "batch_size) or use more data"
                 )
 
     def should_validate(self, step: int) -> bool:
@@ -95,11 +97,6 @@ class Validator:
         loss_sum, count = self.train_step.evaluate(batches)
         loss = global_mean_loss(loss_sum, self.meshes) / count
         return ValidationResult(loss, count * self.tokens_per_batch, time.perf_counter() - start)
-
-
-def validation_batch_size(job_config: JobConfig) -> int:
-    batch_size = job_config.validation.batch_size
-    return job_config.training.batch_size if batch_size == -1 else batch_size
 
 
 def _reported(batches: Iterator, on_batch: Callable[[int], None]) -> Iterator:

@@ -215,6 +215,13 @@ class ValidationConfig:
         min=-1,
     )
     batch_size: int = opt(-1, "Per-rank batch size (sequences); -1: training.batch_size", min=-1)
+    global_batch_size: int = opt(
+        -1,
+        "Sequences per validation batch over all data-parallel ranks, in place of batch_size: the same "
+        "windows, so the same loss, at every DP degree, and a small split fills it on any number of GPUs; "
+        "-1: batch_size x DP degree",
+        min=-1,
+    )
 
 
 @dataclass
