@@ -142,9 +142,10 @@ def _folder_tensors(option: str, folder: str) -> dict[str, tuple[str, list[int],
     return tensors
 
 
-def _skipped(name: str) -> str | None:
-    """Why the folder's tensor `name` is left out, or None for one the conversion uses."""
-    return next((why for pattern, why in SKIPPED.items() if pattern.fullmatch(name)), None)
+def _skipped(name: str, patterns: dict) -> str | None:
+    """Why the folder's tensor `name` is left out (`patterns`: pattern -> why), or None for one the
+    conversion uses."""
+    return next((why for pattern, why in patterns.items() if pattern.fullmatch(name)), None)
 
 
 class HFReader(StorageReader):
@@ -157,7 +158,9 @@ class HFReader(StorageReader):
         self.path, self.option, self.prefix = path, option, prefix
         self.config, adapter = read_hf_config(option, path, model_name)
         tensors = _folder_tensors(option, path)
-        self.skipped = {name: why for name in tensors if (why := _skipped(name)) is not None}
+        # Every family's skipped tensors, and those of the family's own layout (DeepSeek-V3's MTP layers).
+        patterns = {**SKIPPED, **(adapter.skipped(self.config) if hasattr(adapter, "skipped") else {})}
+        self.skipped = {name: why for name in tensors if (why := _skipped(name, patterns)) is not None}
         self.names = sorted(name for name in tensors if name not in self.skipped)
         self.files: dict[str, str] = {}
         self.shapes: dict[str, list[int]] = {}
