@@ -19,6 +19,7 @@ from test_hf_load import hub_folder
 
 from torchtitan.checkpoint.hf_export import export_hf
 from torchtitan.checkpoint.hf_reader import load_hf_weights
+from torchtitan.config.options import ConfigError
 from torchtitan.config.parser import parse_args
 from torchtitan.models import MODEL_SPECS
 from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs, deepseek_flops_per_token, deepseek_v3_configs
@@ -188,6 +189,18 @@ def test_flops_count_the_active_parameters_and_mla_attention():
     attention = 6 * 61 * 128 * (192 + 128) * 4096
     active = (deepseek_flops_per_token(args, total, 4096) - attention) / 6
     assert 660e9 < model.num_params() < 680e9 and 36e9 < active < 38e9, (model.num_params(), active)
+
+
+def test_softmax_routing_trains_but_has_no_hugging_face_form():
+    """Softmax scores (torchtitan's debug and 16B flavours) are an option; transformers' router is sigmoid
+    only, so their export is refused rather than written to route differently."""
+    args = replace(job_args("debugmodel"), score_func="softmax")
+    model = SPEC.build(args)
+    model.init_weights(seed=0)
+    model(batch()).sum().backward()
+    assert model.layers["1"].feed_forward.router.weight.grad.abs().sum() > 0
+    with pytest.raises(ConfigError, match="routes with sigmoid scores only, and this model with softmax"):
+        adapter.hf_config(args, model.state_dict(), SEQ, torch.float32)
 
 
 BAD = {
