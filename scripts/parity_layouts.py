@@ -287,6 +287,8 @@ MATRIX = [
     Layout("DeepSeek-V3, block_causal: EP 2 x TP 2", 4, 2, 4, ep(2) + tp(2), DEEPSEEK_V3),
     Layout("DeepSeek-V3 plain q, block_causal: FSDP 2 x TP 2", 4, 2, 4, tp(2), DEEPSEEK_V3_PLAIN_Q),
     Layout("DeepSeek-V3, block_causal: PP 2, 1F1B", 2, 4, 4, pp(2), DEEPSEEK_V3, reference_microbatch=2),
+    Layout("DeepSeek-V3, block_causal: HSDP 2x2 + AC full", 4, 1, 4, replicate(2) + AC_FULL, DEEPSEEK_V3),
+    Layout("DeepSeek-V3, block_causal: compile + AC selective op", 1, 4, 4, COMPILE + AC_OP, DEEPSEEK_V3),
     # Muon: each rank gathers the matrices it holds a shard or slice of (docs/optimizers.md).
     Layout("Muon: FSDP 2", 2, 2, 4, model=MUON),
     Layout("Muon: TP 2", 2, 4, 4, tp(2), MUON),
