@@ -4,9 +4,11 @@ YaRN), the same with a plain wq, and a Kimi-K2-shaped one (one group, many exper
 checkpoint.initial_load_path's reader: the same logits on plain and packed batches, and an export after
 0 steps bit for bit the folder's tensors; each path the comparison covers changes the logits (so that
 dropping one would fail it), YaRN's softmax scale included below the original context (torchtitan's
-#4117); MTP layers skipped; bad flavours and another family's folder refused in one line. Layouts:
-scripts/parity_layouts.py's DeepSeek-V3 rows."""
+#4117); a folder in the Hub's form (legacy rope_scaling, an MTP layer, skipped) loads; bad flavours,
+a folder whose settings differ from the flavour's and another family's folder are refused in one line.
+Layouts: scripts/parity_layouts.py's DeepSeek-V3 rows."""
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -151,9 +153,32 @@ def test_each_path_changes_the_logits(tmp_path):
             setattr(module, name, value)
 
 
-def test_mtp_layers_of_a_folder_are_skipped(tmp_path):
-    """A folder with DeepSeek-V3's multi-token prediction layer (`model.layers.{N}`, after the decoder's
-    N): left out, named in the reader's one line; the model loads as without it."""
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(routed_scaling_factor=2.827), "has routed_scaling_factor 2.5, the flavour 2.827"),
+        (dict(rope_factor=32.0), "has factor 40.0, the flavour 32.0"),
+        (dict(topk_group=2), "has topk_group 1, the flavour 2"),
+        (dict(score_func="softmax"), "has scoring sigmoid, the flavour softmax"),
+    ],
+)
+def test_a_folder_computing_otherwise_than_the_flavor_is_refused(tmp_path, change, message):
+    """Settings the shapes do not show (routing, YaRN, the router's scores): one line, before loading."""
+    folder = make_hub(tmp_path / "hub", job_args("debugmodel"))
+    args = replace(job_args("debugmodel"), **change)
+    with torch.device("meta"):
+        model = SPEC.build(args)
+    job = parse_args(["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"])
+    with pytest.raises(
+        ConfigError, match=f"model.flavor: {folder}'s config.json {message}; set model.flavor"
+    ):
+        load_hf_weights(model, str(folder), job.model, args)
+
+
+def test_a_folder_in_the_hubs_form_loads_without_its_mtp_layer(tmp_path):
+    """A folder as the Hub's DeepSeek-V3 is: its RoPE as `rope_scaling` ("type": "yarn") and
+    `rope_theta`, and a multi-token prediction layer (`model.layers.{N}`, after the decoder's N), which
+    is left out, named in the reader's one line; the logits are transformers' on that folder."""
     folder = make_hub(tmp_path / "hub", job_args("debugmodel_plain_q"))
     weights = load_file(folder / "model.safetensors")
     n = DEBUG.n_layers
@@ -161,22 +186,21 @@ def test_mtp_layers_of_a_folder_are_skipped(tmp_path):
         weights[f"model.layers.{n}.{name}"] = torch.ones(DEBUG.dim)
     weights[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(DEBUG.dim, 2 * DEBUG.dim)
     save_file(weights, folder / "model.safetensors", {"format": "pt"})
-    config = (
-        (folder / "config.json")
-        .read_text()
-        .replace('"num_nextn_predict_layers": 0', '"num_nextn_predict_layers": 1')
-    )
-    (folder / "config.json").write_text(config)
+    config = json.loads((folder / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}
+    (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     args = job_args("debugmodel_plain_q")
     model = SPEC.build(args)
     model.init_weights(seed=0)
     job = parse_args(["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_plain_q"])
     reader = load_hf_weights(model, str(folder), job.model, args)
-    assert (
-        reader.skipped_summary()
-        == f"multi-token prediction layers: 4 tensors (model.layers.{n}.eh_proj.weight, ...)"
-    )
-    assert torch.equal(model.state_dict()["tok_embeddings.weight"], weights["model.embed_tokens.weight"])
+    skipped = f"multi-token prediction layers: 4 tensors (model.layers.{n}.eh_proj.weight, ...)"
+    assert reader.skipped_summary() == skipped
+    with torch.no_grad():
+        logits = model.eval()(batch())
+    assert (logits - transformers_logits(folder, batch(), packed=False)).abs().max() <= 1e-5
 
 
 def test_flops_count_the_active_parameters_and_mla_attention():

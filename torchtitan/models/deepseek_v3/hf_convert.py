@@ -71,6 +71,70 @@ def skipped(config: dict) -> dict[re.Pattern, str]:
     return {re.compile(rf"model\.layers\.({layers})\..+"): "multi-token prediction layers"}
 
 
+# transformers' DeepseekV3Config defaults (the 671B values), for the keys a config.json may leave out.
+_HF_DEFAULTS = {
+    "first_k_dense_replace": 3,
+    "num_experts_per_tok": 8,
+    "n_group": 8,
+    "topk_group": 4,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+}
+_YARN_KEYS = (
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+)
+
+
+def _settings(config: dict) -> dict:
+    """What a config.json sets that the weights' shapes do not show, with transformers' defaults, its
+    RoPE read from `rope_parameters` (transformers 5) or `rope_scaling` and `rope_theta` (the Hub's)."""
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    theta = rope.get("rope_theta", config.get("rope_theta", _HF_DEFAULTS["rope_theta"]))
+    settings = {key: config.get(key, default) for key, default in _HF_DEFAULTS.items()}
+    settings.update(rope_type=rope_type, rope_theta=float(theta))
+    if rope_type == "yarn":
+        settings.update({key: rope.get(key) for key in _YARN_KEYS})
+    return settings
+
+
+def check_flavor(config: dict, model_args: DeepSeekV3ModelArgs, where: str) -> None:
+    """The folder's config.json computes what the flavour does beyond its shapes (the reader checks
+    those): routing, norms' eps and RoPE; else one line naming the first difference (e.g. a Kimi K2
+    folder of YaRN 64 for the flavour's 32), rather than training another model than the folder's."""
+    # transformers' router is sigmoid whatever config.json's scoring_func says.
+    ours = {**_settings(hf_config_settings(model_args)), "scoring": model_args.score_func}
+    theirs = {**_settings(config), "scoring": "sigmoid"}
+    for key in sorted(ours.keys() | theirs.keys()):
+        if ours.get(key) != theirs.get(key):
+            raise ConfigError(
+                f"model.flavor: {where}'s config.json has {key} {theirs.get(key)}, the flavour "
+                f"{ours.get(key)}; set model.flavor to one of the folder's settings"
+            )
+
+
+def hf_config_settings(model_args: DeepSeekV3ModelArgs) -> dict:
+    """The config.json keys of `_settings` as the export writes them."""
+    args = model_args
+    return {
+        "first_k_dense_replace": args.first_k_dense_replace,
+        "num_experts_per_tok": args.top_k,
+        "n_group": args.n_group,
+        "topk_group": args.topk_group,
+        "norm_topk_prob": args.norm_topk_prob,
+        "routed_scaling_factor": args.routed_scaling_factor,
+        "rms_norm_eps": args.norm_eps,
+        "rope_parameters": rope_parameters(args),
+    }
+
+
 def rope_parameters(model_args: DeepSeekV3ModelArgs) -> dict:
     """transformers' rope_parameters: YaRN's, its cos/sin factor 1 (mscale = mscale_all_dim), or plain."""
     args = model_args
@@ -112,22 +176,16 @@ def hf_config(
         **config,
         "max_position_embeddings": max_position_embeddings,
         "intermediate_size": args.hidden_dim,
+        **hf_config_settings(args),
         "q_lora_rank": args.q_lora_rank or None,
         "kv_lora_rank": args.kv_lora_rank,
         "qk_nope_head_dim": args.qk_nope_head_dim,
         "qk_rope_head_dim": args.qk_rope_head_dim,
         "v_head_dim": args.v_head_dim,
-        "rope_parameters": rope_parameters(args),
         "rope_interleave": True,
-        "first_k_dense_replace": args.first_k_dense_replace,
         "moe_intermediate_size": args.moe_hidden_dim,
         "n_routed_experts": args.num_experts,
         "n_shared_experts": args.n_shared_experts,
-        "num_experts_per_tok": args.top_k,
-        "n_group": args.n_group,
-        "topk_group": args.topk_group,
-        "norm_topk_prob": args.norm_topk_prob,
-        "routed_scaling_factor": args.routed_scaling_factor,
         "scoring_func": args.score_func,
         "topk_method": "noaux_tc",
         "num_nextn_predict_layers": 0,
