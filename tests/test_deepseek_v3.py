@@ -206,7 +206,7 @@ def test_a_folder_in_the_hubs_form_loads_without_its_mtp_layer(tmp_path):
 def test_flops_count_the_active_parameters_and_mla_attention():
     """671B: 37B parameters active per token (DeepSeek-V3's report), and MLA's attention at its head
     sizes (192 for scores, 128 for values)."""
-    args = replace(deepseek_v3_configs["671B"], max_seq_len=4096)
+    args = replace(deepseek_v3_configs["671B"], vocab_size=129280, max_seq_len=4096)
     with torch.device("meta"):
         model = SPEC.build(args)
     total = model.num_params(exclude_embedding=True)

@@ -26,7 +26,9 @@ class DeepSeekV3ModelArgs:
     n_layers: int = 61
     n_heads: int = 128
     n_kv_heads: int | None = None  # MLA expands keys and values to every head: not GQA
-    vocab_size: int = -1  # -1: set from the tokenizer
+    # -1: set from the tokenizer or the Hugging Face folder (the released models': 129,280 for DeepSeek-V3,
+    # 163,840 for Moonlight and Kimi K2: model.vocab_size)
+    vocab_size: int = -1
     norm_eps: float = 1e-6
     max_seq_len: int = 4096
     hidden_dim: int = 18432  # the dense layers' SwiGLU (HF's intermediate_size)
@@ -97,7 +99,6 @@ def deepseek_flops_per_token(model_args: DeepSeekV3ModelArgs, num_params: int, s
     return 6 * (num_params - idle) + attention
 
 
-_V3 = dict(vocab_size=129280)
 _YARN_OFF = dict(rope_factor=1.0)
 deepseek_v3_configs = {
     # Tiny, for the tests and the CPU recipe, with every path on: a q LoRA, YaRN (factor 40 on a 4096
@@ -139,10 +140,9 @@ deepseek_v3_configs = {
         rope_theta=50000.0,
         norm_eps=1e-5,
         max_seq_len=8192,
-        vocab_size=163840,
         **_YARN_OFF,
     ),
-    "671B": DeepSeekV3ModelArgs(**_V3),
+    "671B": DeepSeekV3ModelArgs(),
     # Kimi K2 (moonshotai/Kimi-K2-Instruct's config.json): 384 experts in one group, 64 heads, one dense
     # layer, routed scale 2.827, YaRN 32 (beta_fast = beta_slow = 1) on rope_theta 50000.
     "kimi_k2": DeepSeekV3ModelArgs(
@@ -155,7 +155,6 @@ deepseek_v3_configs = {
         rope_theta=50000.0,
         rope_factor=32.0,
         beta_fast=1.0,
-        vocab_size=163840,
     ),
 }
 deepseek_v3_configs["debugmodel_plain_q"] = DeepSeekV3ModelArgs(
