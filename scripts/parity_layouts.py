@@ -1,8 +1,8 @@
 """The layouts scripts/parity_matrix.py trains against one process, and what they are made of: the options
 each technique adds (activation checkpointing, compile, the chunked loss, each parallel degree), the
-models' options (Llama 3's debug model by default, Qwen3 tied and untied, Qwen3-MoE, long sequences,
-packed documents, Muon) and MATRIX, every layout the script runs. The tests compose their CI runs of
-the same pieces (tests/test_parity.py and others)."""
+models' options (Llama 3's debug model by default, Qwen3 tied and untied, Qwen3-MoE, DeepSeek-V3, long
+sequences, packed documents, Muon) and MATRIX, every layout the script runs. The tests compose their CI
+runs of the same pieces (tests/test_parity.py and others)."""
 
 import math
 import sys
@@ -134,6 +134,18 @@ LLAMA_BLOCK = (*LONG, *BLOCK_CAUSAL)
 QWEN3_BLOCK = (*QWEN3_LONG, *BLOCK_CAUSAL)
 QWEN3_CP_CI_BLOCK = (*QWEN3_CP_CI, *BLOCK_CAUSAL)
 QWEN3_MOE_BLOCK = (*QWEN3_MOE, *BLOCK_CAUSAL)
+# DeepSeek-V3's debug flavour (MLA with a q LoRA and YaRN, sigmoid routing in 2 groups, a shared expert,
+# a dense first layer), both balancing methods on, on packed documents attending within themselves.
+DEEPSEEK_V3 = (
+    "--model.name",
+    "deepseek_v3",
+    "--model.tokenizer_path",
+    "assets/tokenizer/kjv_bpe_hf",
+    "--moe.bias_update_rate",
+    "0.01",
+    *BLOCK_CAUSAL,
+)
+DEEPSEEK_V3_PLAIN_Q = (*DEEPSEEK_V3, "--model.flavor", "debugmodel_plain_q")
 
 MATRIX = [
     Layout("FSDP 2", 2, 2, 4),
@@ -269,6 +281,14 @@ MATRIX = [
     Layout("Qwen3 untied, 512 tokens, block_causal: PP 2 x CP 2, 1F1B", 4, 4, 4, pp(2) + cp(2), QWEN3_BLOCK),
     Layout("Qwen3-MoE, block_causal: EP 2", 2, 2, 4, ep(2), QWEN3_MOE_BLOCK),
     Layout("Qwen3-MoE, block_causal: PP 2, 1F1B", 2, 4, 4, pp(2), QWEN3_MOE_BLOCK, reference_microbatch=2),
+    Layout("DeepSeek-V3, block_causal: FSDP 2", 2, 2, 4, model=DEEPSEEK_V3),
+    Layout("DeepSeek-V3, block_causal: EP 2", 2, 2, 4, ep(2), DEEPSEEK_V3),
+    Layout("DeepSeek-V3, block_causal: FSDP 2 x TP 2", 4, 2, 4, tp(2), DEEPSEEK_V3),
+    Layout("DeepSeek-V3, block_causal: EP 2 x TP 2", 4, 2, 4, ep(2) + tp(2), DEEPSEEK_V3),
+    Layout("DeepSeek-V3 plain q, block_causal: FSDP 2 x TP 2", 4, 2, 4, tp(2), DEEPSEEK_V3_PLAIN_Q),
+    Layout("DeepSeek-V3, block_causal: PP 2, 1F1B", 2, 4, 4, pp(2), DEEPSEEK_V3, reference_microbatch=2),
+    Layout("DeepSeek-V3, block_causal: HSDP 2x2 + AC full", 4, 1, 4, replicate(2) + AC_FULL, DEEPSEEK_V3),
+    Layout("DeepSeek-V3, block_causal: compile + AC selective op", 1, 4, 4, COMPILE + AC_OP, DEEPSEEK_V3),
     # Muon: each rank gathers the matrices it holds a shard or slice of (docs/optimizers.md).
     Layout("Muon: FSDP 2", 2, 2, 4, model=MUON),
     Layout("Muon: TP 2", 2, 4, 4, tp(2), MUON),

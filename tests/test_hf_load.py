@@ -1,8 +1,8 @@
 """checkpoint.initial_load_path as a Hugging Face folder (torchtitan/checkpoint/hf_reader.py): train.py
 starts from a folder transformers saved, for each family on one process and Qwen3-MoE on FSDP 2, its
-step-1 loss that of transformers on the same first batch; a folder of another family or shape, without
-weights or with a damaged file is one line and exit 2. The sharded reads (each rank its share, the
-weights bit for bit): test_parallelisms.py."""
+step-1 loss that of transformers on the same first batch (DeepSeek-V3's logits: test_deepseek_v3.py); a
+folder of another family or shape, without weights or with a damaged file is one line and exit 2. The
+sharded reads (each rank its share, the weights bit for bit): test_parallelisms.py."""
 
 import json
 from dataclasses import replace
@@ -34,6 +34,7 @@ FAMILIES = {
     "llama3": [],
     "qwen3": ["--model.name", "qwen3", "--model.flavor", "debugmodel_tied"],  # the head tied: no lm_head
     "qwen3_moe": ["--model.name", "qwen3_moe", "--model.flavor", "debugmodel"],
+    "deepseek_v3": ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"],
 }
 ONE_STEP = [*TINY_JOB, "--training.steps", "1"]
 

@@ -1,6 +1,7 @@
-"""The mixture-of-experts feed-forward (torchtitan/models/moe.py), Qwen3-MoE against transformers'
-Qwen3MoeForCausalLM, its Hugging Face conversion and the balancing (torchtitan/load_balance.py) on one
-process. Layouts are test_parity.py's, resume test_moe_resume.py's."""
+"""The mixture-of-experts feed-forward (torchtitan/models/moe.py; DeepSeek-V3's blocks compiled here too,
+the rest in test_deepseek_v3.py), Qwen3-MoE against transformers' Qwen3MoeForCausalLM, its Hugging Face
+conversion and the balancing (torchtitan/load_balance.py) on one process. Layouts are test_parity.py's,
+resume test_moe_resume.py's."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -15,6 +16,7 @@ from torchtitan.checkpoint.load import read_model_weights
 from torchtitan.config.options import MoEConfig
 from torchtitan.load_balance import LoadBalance
 from torchtitan.models import MODEL_SPECS
+from torchtitan.models.deepseek_v3 import deepseek_v3_configs
 from torchtitan.models.moe import GroupedExperts, MoE, grouped_mm
 from torchtitan.models.qwen3_moe import moe_flops_per_token, qwen3_moe_configs
 from torchtitan.models.spec import flops_per_token
@@ -128,22 +130,34 @@ def test_activation_recompute_counts_tokens_once():
     assert moe.router_stats[0].sum().item() == 20 * 2
 
 
-def test_moe_blocks_compile_whole():
-    """Without expert parallelism a Qwen3-MoE block compiles as one graph (fullgraph: router, dispatch,
-    grouped experts, combine), activation-checkpointed too, and trains as eager does; its tokens are
-    counted once, though checkpointing recomputes the forward."""
+# A mixture-of-experts block of each family: Qwen3-MoE's, and DeepSeek-V3's (MLA, YaRN, groups, a shared
+# expert, the routed scale).
+ONE_MOE_BLOCK = {
+    "qwen3_moe": replace(ARGS, n_layers=1, mlp_only_layers=()),
+    "deepseek_v3": replace(
+        deepseek_v3_configs["debugmodel"], n_layers=1, first_k_dense_replace=0, vocab_size=300, max_seq_len=32
+    ),
+}
+
+
+@pytest.mark.parametrize("name", ONE_MOE_BLOCK)
+def test_moe_blocks_compile_whole(name):
+    """Without expert parallelism an MoE block compiles as one graph (fullgraph: attention, router,
+    dispatch, grouped experts, combine), activation-checkpointed too, and trains as eager does; its tokens
+    are counted once, though checkpointing recomputes the forward."""
     from torchtitan.parallelisms.parallelize import apply_ac, apply_compile
 
+    args = ONE_MOE_BLOCK[name]
     models = []
     for compiled in (False, True):
-        model = MODEL_SPECS["qwen3_moe"].build(replace(ARGS, n_layers=1, mlp_only_layers=()))
+        model = MODEL_SPECS[name].build(args)
         model.init_weights(seed=0)
         apply_ac(model, "full", "op")
         if compiled:
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
             apply_compile(model, fullgraph=True)
-        tokens = torch.randint(0, ARGS.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+        tokens = torch.randint(0, args.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
         F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
         models.append(model)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
@@ -151,7 +165,7 @@ def test_moe_blocks_compile_whole():
         torch.testing.assert_close(compiled.grad, eager.grad, rtol=1e-4, atol=1e-6)
     for eager_layer, compiled_layer in zip(*(m.layers.values() for m in models)):
         counts = [layer.feed_forward.tokens_per_expert for layer in (eager_layer, compiled_layer)]
-        assert counts[0].sum() == 2 * 16 * ARGS.top_k and torch.equal(*counts)
+        assert counts[0].sum() == 2 * 16 * args.top_k and torch.equal(*counts)
 
 
 def test_flops_count_the_active_experts_only():

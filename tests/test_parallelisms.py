@@ -34,6 +34,8 @@ from torchtitan.config.options import JobConfig, MoEConfig
 from torchtitan.config.parser import parse_args
 from torchtitan.config_rules import gradient_accumulation_steps
 from torchtitan.load_balance import LoadBalance
+from torchtitan.models.deepseek_v3 import deepseek_v3_configs
+from torchtitan.models.deepseek_v3.model import Transformer as DeepSeekV3Transformer
 from torchtitan.models.init import clean_fqn
 from torchtitan.models.llama import ModelArgs
 from torchtitan.models.llama.model import Transformer
@@ -73,6 +75,22 @@ MOE_TINY = Qwen3MoeModelArgs(
     num_experts=4,
     top_k=2,
     moe_hidden_dim=32,
+)
+# DeepSeek-V3: a dense layer, then 4 experts in 2 groups (a q LoRA, YaRN: the debug flavour, smaller).
+DSV3_TINY = replace(
+    deepseek_v3_configs["debugmodel"],
+    dim=64,
+    n_layers=2,
+    hidden_dim=96,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    num_experts=4,
+    moe_hidden_dim=32,
+    vocab_size=128,
+    max_seq_len=16,
 )
 WORST_CASE_BIAS = [10.0, 10.0, 0.0, 0.0]  # every token to experts 0 and 1, both on EP rank 0
 SEED = 3
@@ -544,11 +562,15 @@ def _mesh_worker(rank: int, world_size: int, tmp_dir: str) -> None:
 
         # Hugging Face folders (saved by transformers) loaded straight into sharded models: Llama on
         # FSDP 2 x TP 2 (strided dim-0 shards, wq/wk rows reordered per head), Qwen3-MoE's stacked experts
-        # on EP 2 over FSDP 4; what each rank read of the files.
+        # on EP 2 over FSDP 4, DeepSeek-V3's on EP 2 x TP 2 (MLA's heads split, its latents replicated);
+        # what each rank read of the files.
         for name, args, cls, dims, parallelism in (
             ("llama3", TINY, Transformer, fsdp_tp, {"tensor_parallel_degree": 2}),
             ("qwen3_moe", MOE_TINY, Qwen3MoeTransformer, ParallelDims(dp_shard=4, ep=2, world_size=4),
              {"expert_parallel_degree": 2}),
+            ("deepseek_v3", DSV3_TINY, DeepSeekV3Transformer,
+             ParallelDims(dp_shard=2, tp=2, ep=2, world_size=4),
+             {"tensor_parallel_degree": 2, "expert_parallel_degree": 2}),
         ):  # fmt: skip
             hub = f"{tmp_dir}/hub_{name}"
             if not os.path.isdir(hub):  # without transformers
@@ -585,9 +607,10 @@ def _hub_folder(folder: Path, name: str, args: ModelArgs) -> None:
     from torchtitan.checkpoint.hf_export import export_hf
 
     model = random_model(args, name)
-    dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder / "dcp"), no_dist=True)
-    export_hf(str(folder / "dcp"), str(folder / "ours"), args, name=name)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder / "ours", dtype=torch.float32)
+    work = folder / name  # the export never writes over a folder: one per family
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(work / "dcp"), no_dist=True)
+    export_hf(str(work / "dcp"), str(work / "ours"), args, name=name)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(work / "ours", dtype=torch.float32)
     hf_model.save_pretrained(folder / f"hub_{name}")
 
 
@@ -597,13 +620,14 @@ def mesh_results(tmp_path_factory):
     if importlib.util.find_spec("transformers") is not None:
         _hub_folder(tmp_dir, "llama3", TINY)
         _hub_folder(tmp_dir, "qwen3_moe", MOE_TINY)
+        _hub_folder(tmp_dir, "deepseek_v3", DSV3_TINY)
     spawn_forked(_mesh_worker, 4, 4, str(tmp_dir))
     results = torch.load(tmp_dir / "results.pt", weights_only=False)
     results["tmp_dir"] = tmp_dir
     return results
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["llama3", "qwen3_moe", "deepseek_v3"])
 def test_a_hugging_face_folder_loads_each_rank_its_share(mesh_results, name):
     """checkpoint.initial_load_path as a folder transformers saved (checkpoint/hf_reader.py): the sharded
     model holds exactly the weights of the whole-model conversion (convert_hf_to_dcp.py's), and each of 4

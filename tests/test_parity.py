@@ -19,6 +19,7 @@ from scripts.parity_layouts import (
     AC_OP,
     BLOCK_CAUSAL,
     CHUNKED_LOSS,
+    DEEPSEEK_V3,
     FSDP_KNOBS,
     MUON,
     QWEN3_CP_CI,
@@ -97,6 +98,11 @@ CI_LAYOUTS = [
         pp(2, "GPipe") + ep(2) + ("--parallelism.pipeline_parallel_microbatches", "1"),
         QWEN3_MOE_MUON,
     ),
+    # DeepSeek-V3's debug flavour (docs/models.md), both balancing methods on, packed documents: MLA split
+    # by heads under TP, its latents sequence-parallel and the shared RoPE key's gradient summed over the
+    # tp ranks; DeepSeekMoE's shared expert, groups and routed scale under EP. FSDP 2, EP 2 alone and the
+    # plain-q flavour under TP: scripts/parity_matrix.py; against transformers: test_deepseek_v3.py.
+    Layout("DeepSeek-V3, block_causal: EP 2 x TP 2", 4, 2, 4, ep(2) + tp(2), DEEPSEEK_V3),
 ]
 
 

@@ -153,6 +153,39 @@ def check_moe(job_config: JobConfig, parallel_dims: ParallelDims, model_args: Mo
         )
 
 
+def check_routing_and_latents(job_config: JobConfig, model_args: ModelArgs) -> None:
+    """A flavour's group-limited routing (DeepSeek-V3's n_group, topk_group) must split the experts into
+    equal groups of 2 or more (a group scores by its best two), and keep no more groups than there are,
+    enough for top_k experts; multi-head latent attention's rope slice must fit its head and have pairs to
+    rotate. Torch-free, so the preflight refuses a bad flavour before any worker starts."""
+    where = f"model.flavor: {job_config.model.name} {job_config.model.flavor}"
+    n_group = getattr(model_args, "n_group", 1)
+    if n_group > 1:
+        experts, topk_group = model_args.num_experts, model_args.topk_group
+        if experts % n_group or experts // n_group < 2:
+            raise ConfigError(
+                f"{where} splits {experts} experts into n_group {n_group} groups; n_group must divide the "
+                "experts with at least 2 per group (a group scores by its best two)"
+            )
+        if not 1 <= topk_group <= n_group:
+            raise ConfigError(
+                f"{where} keeps topk_group {topk_group} of n_group {n_group} expert groups; keep between 1 "
+                "and n_group"
+            )
+        if topk_group * experts // n_group < model_args.top_k:
+            raise ConfigError(
+                f"{where} routes each token to top_k {model_args.top_k} experts of topk_group {topk_group} "
+                f"groups of {experts // n_group}; keep more groups or route to fewer experts"
+            )
+    rope_dim = getattr(model_args, "qk_rope_head_dim", None)
+    if rope_dim is not None and (rope_dim < 2 or rope_dim % 2 or model_args.qk_nope_head_dim < 0):
+        raise ConfigError(
+            f"{where} has qk_rope_head_dim {rope_dim} and qk_nope_head_dim {model_args.qk_nope_head_dim}; "
+            "the rope slice needs an even number of features (2 or more) and the head's other features "
+            "none or more"
+        )
+
+
 def check_pipeline(job_config: JobConfig, n_layers: int) -> None:
     """Compiled blocks cannot split their backward; the layers and the batch must split evenly."""
     schedule = job_config.parallelism.pipeline_parallel_schedule
@@ -282,7 +315,8 @@ def check_hf_export(job_config: JobConfig) -> None:
             "checkpoint.last_save_in_hf: exports the last step's checkpoint, and checkpointing is off; "
             "set checkpoint.enable_checkpoint true"
         )
-    if model_spec(job_config.model).moe and job_config.moe.bias_update_rate > 0:
+    spec = model_spec(job_config.model)
+    if spec.moe and not spec.hf_expert_bias and job_config.moe.bias_update_rate > 0:
         raise ConfigError(
             f"checkpoint.last_save_in_hf: moe.bias_update_rate = {job_config.moe.bias_update_rate} trains "
             f"routing biases that Hugging Face's {job_config.model.name} model has no place for, so the "
@@ -374,6 +408,7 @@ def check_layout(
     model_args = flavor_args(job_config.model)
     check_parallelism(job_config, parallel_dims, model_args)
     check_moe(job_config, parallel_dims, model_args)
+    check_routing_and_latents(job_config, model_args)
     check_context_parallel(job_config, parallel_dims)
     if parallel_dims.pp_enabled:
         check_tied_pipeline(job_config, model_args)

@@ -32,14 +32,16 @@ def export_hf(
 ) -> None:
     """Write config.json and model.safetensors of model.name `name`'s checkpoint into `output`, and with
     the run's `tokenizer` its files, its BOS/EOS/pad ids in config.json and generation_config.json. A
-    mixture-of-experts model's routing biases (moe.bias_update_rate) have no place in HF's model: a
-    non-zero one is refused unless `drop_expert_bias`, as the model routes differently without it.
+    mixture-of-experts model's routing biases (moe.bias_update_rate) have no place in HF's model but
+    DeepSeek-V3's (the spec's `hf_expert_bias`, where they are exported): elsewhere a non-zero one is
+    refused unless `drop_expert_bias`, as the model routes differently without it.
     `output` is new or empty, or replaced whole when `overwrite` (torchtitan/checkpoint/folder.py's
     rules); errors name `option` (the folder) and `bias_option` (the bias)."""
     check_checkpoint("checkpoint", checkpoint)
     check_output_folder(option, output, overwrite, [checkpoint])
     weights = read_model_weights(checkpoint)
-    biases = [key for key in weights if key.endswith(".expert_bias")]
+    spec = MODEL_SPECS[name]
+    biases = [] if spec.hf_expert_bias else [key for key in weights if key.endswith(".expert_bias")]
     if not drop_expert_bias and any(weights[key].any() for key in biases):
         raise ConfigError(
             f"{bias_option}: the checkpoint's experts were chosen with a routing bias "
@@ -58,8 +60,8 @@ def export_hf(
             "pass the flavor the checkpoint was trained with (an untied one)"
         )
     if dtype is not None:
-        weights = {key: w.to(dtype) for key, w in weights.items()}
-    spec = MODEL_SPECS[name]
+        # A routing bias stays fp32, as transformers keeps DeepSeek-V3's.
+        weights = {key: w if key.endswith(".expert_bias") else w.to(dtype) for key, w in weights.items()}
     adapter = spec.hf()
     config = {
         "architectures": [spec.hf_architecture],

@@ -142,9 +142,10 @@ def _folder_tensors(option: str, folder: str) -> dict[str, tuple[str, list[int],
     return tensors
 
 
-def _skipped(name: str) -> str | None:
-    """Why the folder's tensor `name` is left out, or None for one the conversion uses."""
-    return next((why for pattern, why in SKIPPED.items() if pattern.fullmatch(name)), None)
+def _skipped(name: str, patterns: dict) -> str | None:
+    """Why the folder's tensor `name` is left out (`patterns`: pattern -> why), or None for one the
+    conversion uses."""
+    return next((why for pattern, why in patterns.items() if pattern.fullmatch(name)), None)
 
 
 class HFReader(StorageReader):
@@ -155,9 +156,12 @@ class HFReader(StorageReader):
     def __init__(self, path: str, option: str, model_name: str | None = None, prefix: str = "model.") -> None:
         super().__init__()
         self.path, self.option, self.prefix = path, option, prefix
-        self.config, adapter = read_hf_config(option, path, model_name)
+        self.config, self.adapter = read_hf_config(option, path, model_name)
+        adapter = self.adapter
         tensors = _folder_tensors(option, path)
-        self.skipped = {name: why for name in tensors if (why := _skipped(name)) is not None}
+        # Every family's skipped tensors, and those of the family's own layout (DeepSeek-V3's MTP layers).
+        patterns = {**SKIPPED, **(adapter.skipped(self.config) if hasattr(adapter, "skipped") else {})}
+        self.skipped = {name: why for name in tensors if (why := _skipped(name, patterns)) is not None}
         self.names = sorted(name for name in tensors if name not in self.skipped)
         self.files: dict[str, str] = {}
         self.shapes: dict[str, list[int]] = {}
@@ -286,8 +290,9 @@ def load_hf_weights(
 ) -> HFReader:
     """The Hugging Face folder's weights into this rank's `model` (its parts merged), whatever the
     layout; checked first against the whole model `model_args` builds (the same on every rank), one line
-    each: the family, every tensor the model has present with its shape, and none of the folder's left
-    out but those `SKIPPED`. Returns the reader (its `bytes_read`)."""
+    each: the family, every tensor the model has present with its shape, none of the folder's left
+    out but those `SKIPPED`, and, where the family's adapter checks it (`check_flavor`), config.json's
+    other settings. Returns the reader (its `bytes_read`)."""
     reader = HFReader(path, "checkpoint.initial_load_path", model_config.name)
     with torch.device("meta"):
         expected = {
@@ -319,6 +324,8 @@ def load_hf_weights(
             f"{reader.config['num_hidden_layers']} layers, the flavour's {model_args.n_layers}); set "
             "model.flavor to the folder's"
         )
+    if hasattr(reader.adapter, "check_flavor"):  # what config.json sets beyond the shapes
+        reader.adapter.check_flavor(reader.config, model_args, path)
     if reader.skipped:
         logger.info(
             f"Not loading tensors of {path} that this model has no place for: {reader.skipped_summary()}"

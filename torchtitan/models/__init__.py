@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from torchtitan.config.options import ConfigError, JobConfig, ModelConfig
 from torchtitan.config.paths import read_json
+from torchtitan.models.deepseek_v3 import deepseek_flops_per_token, deepseek_v3_configs
 from torchtitan.models.llama import llama2_configs, llama3_configs
 from torchtitan.models.qwen3 import qwen3_configs
 from torchtitan.models.qwen3_moe import moe_flops_per_token, qwen3_moe_configs
@@ -47,6 +48,17 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         hf_architecture="Qwen3MoeForCausalLM",
         flops_per_token=moe_flops_per_token,
         moe=True,
+    ),
+    "deepseek_v3": ModelSpec(
+        name="deepseek_v3",
+        flavors=deepseek_v3_configs,
+        model="torchtitan.models.deepseek_v3.model:Transformer",
+        tp_plan="torchtitan.models.deepseek_v3.tp_plan:deepseek_v3_block_plan",
+        hf_adapter="torchtitan.models.deepseek_v3.hf_convert",
+        hf_architecture="DeepseekV3ForCausalLM",
+        flops_per_token=deepseek_flops_per_token,
+        moe=True,
+        hf_expert_bias=True,
     ),
 }
 

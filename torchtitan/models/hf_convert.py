@@ -67,6 +67,43 @@ def from_hf_names(
     return converted
 
 
+# Our stacked experts' weights [experts, out, in] -> the Hub's per-expert Linear of each (Qwen3-MoE's and
+# DeepSeek-V3's files: `model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`).
+EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_OUR_EXPERTS = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
+_HF_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+_proj)\.weight")
+
+
+def experts_to_hf(state_dict: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """Our state dict -> (its tensors other than the experts, the experts as HF's per-expert Linears)."""
+    rest, experts = {}, {}
+    for name, w in state_dict.items():
+        match = _OUR_EXPERTS.fullmatch(name)
+        if match is None:
+            rest[name] = w
+            continue
+        layer, ours = match.groups()
+        for e, expert_w in enumerate(w.unbind(0)):
+            experts[f"model.layers.{layer}.mlp.experts.{e}.{EXPERTS[ours]}.weight"] = expert_w.contiguous()
+    return rest, experts
+
+
+def experts_from_hf(state_dict: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    """HF's state dict -> (its tensors other than the experts, each layer's experts stacked under our
+    names, in expert order)."""
+    ours_of = {hf: ours for ours, hf in EXPERTS.items()}
+    rest, by_expert = {}, {}
+    for name, w in state_dict.items():
+        match = _HF_EXPERTS.fullmatch(name)
+        if match is None:
+            rest[name] = w
+            continue
+        layer, e, proj = match.groups()
+        by_expert.setdefault(f"layers.{layer}.feed_forward.experts.{ours_of[proj]}", {})[int(e)] = w
+    stacked = {name: torch.stack([ws[e] for e in range(len(ws))]) for name, ws in by_expert.items()}
+    return rest, stacked
+
+
 def decoder_config(
     model_args: ModelArgs,
     state_dict: dict[str, torch.Tensor],

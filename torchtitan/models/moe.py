@@ -131,7 +131,11 @@ class MoE(nn.Module):
     """Top-k routed SwiGLU experts (and an optional shared expert); input and output (bs, seqlen, dim).
 
     `score_func`: "softmax" (Qwen3-MoE, Mixtral) or "sigmoid" (DeepSeek-V3) router scores;
-    `norm_topk_prob`: a token's top-k weights are rescaled to sum to 1."""
+    `norm_topk_prob`: a token's top-k weights are rescaled to sum to 1; `route_scale`: then multiplied by
+    it (DeepSeek-V3's routed_scaling_factor). `n_group` > 1: DeepSeek-V3's group-limited routing, the
+    experts in `n_group` equal groups of which a token chooses in the `topk_group` best only, a group
+    scored by the sum of its two best (biased) scores: at most `topk_group` nodes' experts per token
+    when each node holds whole groups."""
 
     def __init__(
         self,
@@ -142,10 +146,14 @@ class MoE(nn.Module):
         score_func: str = "softmax",
         norm_topk_prob: bool = True,
         shared_hidden_dim: int = 0,
+        n_group: int = 1,
+        topk_group: int = 1,
+        route_scale: float = 1.0,
     ):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.norm_topk_prob = score_func, norm_topk_prob
+        self.n_group, self.topk_group, self.route_scale = n_group, topk_group, route_scale
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.experts = GroupedExperts(dim, hidden_dim, num_experts)
         self.shared_expert = FeedForward(dim, shared_hidden_dim) if shared_hidden_dim else None
@@ -172,12 +180,26 @@ class MoE(nn.Module):
         their weights (tokens, k)), in float32."""
         logits = F.linear(x.float(), self.router.weight.float())
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
-        _, experts = torch.topk(scores.detach() + self.expert_bias, self.top_k, dim=-1)
+        choice = scores.detach() + self.expert_bias  # the bias chooses; the weights are the scores
+        if self.n_group > 1:
+            choice = self.limit_to_groups(choice)
+        _, experts = torch.topk(choice, self.top_k, dim=-1)
         weights = scores.gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
+        if self.route_scale != 1.0:
+            weights = weights * self.route_scale
         probs = scores if self.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
         return probs, experts, weights
+
+    def limit_to_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """(tokens, experts) choice scores with the experts outside each token's `topk_group` best groups
+        set to -inf (a group's score: the sum of its two best)."""
+        groups = choice.view(choice.shape[0], self.n_group, -1)
+        group_scores = groups.topk(2, dim=-1).values.sum(-1)
+        best = group_scores.topk(self.topk_group, dim=-1).indices
+        kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return groups.masked_fill(~kept.unsqueeze(-1), float("-inf")).view_as(choice)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bs, seqlen, dim = x.shape

@@ -65,7 +65,9 @@ class ModelSpec:
     - `hf_adapter`: a module with `MODEL_TYPE` (config.json's "model_type"), `to_hf(state_dict,
       model_args)`, `from_hf(state_dict, hf_config)` and `hf_config(model_args, state_dict,
       max_position_embeddings, dtype)` (config.json less "architectures", `hf_architecture`), between
-      our parameter names and layout and the Hugging Face model's (torchtitan/models/hf_convert.py)."""
+      our parameter names and layout and the Hugging Face model's, and optionally `skipped(config)`,
+      the folder's tensors it has no place for, and `check_flavor(config, model_args, where)`, refusing
+      a folder whose config.json computes otherwise than the flavour (torchtitan/models/hf_convert.py)."""
 
     name: str
     flavors: Mapping[str, ModelArgs]
@@ -77,6 +79,9 @@ class ModelSpec:
     flops_per_token: Callable[[ModelArgs, int, int], int] = dense_flops_per_token
     # Mixture-of-experts feed-forwards (torchtitan/models/moe.py): the loop balances their experts.
     moe: bool = False
+    # Hugging Face's model holds the routing bias (`expert_bias`: DeepSeek-V3's e_score_correction_bias),
+    # so exports keep it; other families' have no place for it.
+    hf_expert_bias: bool = False
 
     def build(self, model_args: ModelArgs) -> Any:
         """The family's model (an nn.Module) for `model_args`, on the current default device."""

@@ -16,20 +16,25 @@ TPStyles = Callable[[nn.Module], tuple[type, type, type]]
 
 def llama_block_plan(block: nn.Module, styles: TPStyles) -> dict:
     """A Llama block's TP plan: the norms on sequence shards; attention and feed-forward gather the
-    sequence, run column- then row-wise sharded projections and reduce-scatter back. A mixture of
-    experts is not tensor-parallel: each rank routes the tokens of its own sequence shard (no
-    collective), with the layer's weights whole (FSDP shards them over tp too: their gradients are
-    partial sums there, parallel_dims.moe_fsdp_meshes)."""
+    sequence, run column- then row-wise sharded projections and reduce-scatter back."""
     a_colwise, a_rowwise, a_prepare = styles(block.attention)
-    plan = {
+    return {
         "attention_norm": SequenceParallel(),
         "attention": a_prepare(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
         "attention.wq": a_colwise(),
         "attention.wk": a_colwise(),
         "attention.wv": a_colwise(),
         "attention.wo": a_rowwise(output_layouts=Shard(1)),
-        "ffn_norm": SequenceParallel(),
+        **feed_forward_plan(block, styles),
     }
+
+
+def feed_forward_plan(block: nn.Module, styles: TPStyles) -> dict:
+    """The feed-forward half of any family's block: its norm on sequence shards, then a SwiGLU split
+    column- then row-wise. A mixture of experts is not tensor-parallel: each rank routes the tokens of
+    its own sequence shard (no collective), with the layer's weights whole (FSDP shards them over tp
+    too: their gradients are partial sums there, parallel_dims.moe_fsdp_meshes)."""
+    plan = {"ffn_norm": SequenceParallel()}
     if isinstance(block.feed_forward, MoE):
         plan["feed_forward"] = PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),), use_local_output=True

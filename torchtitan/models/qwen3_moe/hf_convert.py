@@ -9,53 +9,34 @@ place in HF's model: convert_dcp_to_hf.py refuses a non-zero one unless told to 
 converted HF model starts with a zero bias.
 """
 
-import re
-
 import torch
 
-from torchtitan.models.hf_convert import decoder_config, from_hf_names, to_hf_names
+from torchtitan.models.hf_convert import (
+    decoder_config,
+    experts_from_hf,
+    experts_to_hf,
+    from_hf_names,
+    to_hf_names,
+)
 from torchtitan.models.qwen3.hf_convert import NAMES as QWEN3_NAMES
 from torchtitan.models.qwen3_moe import Qwen3MoeModelArgs
 
 MODEL_TYPE = "qwen3_moe"
 
 NAMES = {**QWEN3_NAMES, "layers.{}.feed_forward.router.weight": "model.layers.{}.mlp.gate.weight"}
-# Our expert weight -> HF's per-expert Linear.
-EXPERTS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-_OURS = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
-_HF = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)_proj\.weight")
 
 
 def to_hf(state_dict: dict[str, torch.Tensor], model_args: Qwen3MoeModelArgs) -> dict[str, torch.Tensor]:
     """Our model's state dict (without `expert_bias`) -> HF Qwen3MoeForCausalLM's."""
-    dense, experts = {}, {}
-    for name, w in state_dict.items():
-        match = _OURS.fullmatch(name)
-        if match is None:
-            dense[name] = w
-            continue
-        layer, ours = match.groups()
-        for e, expert_w in enumerate(w.unbind(0)):
-            experts[f"model.layers.{layer}.mlp.experts.{e}.{EXPERTS[ours]}.weight"] = expert_w.contiguous()
+    dense, experts = experts_to_hf(state_dict)
     return {**to_hf_names(dense, NAMES, model_args.tie_word_embeddings), **experts}
 
 
 def from_hf(state_dict: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
     """HF Qwen3MoeForCausalLM's state dict (Hub layout) -> our model's, each sparse layer's experts
     stacked and a zero `expert_bias` added (`config`, its config.json, changes nothing)."""
-    dense, experts = {}, {}
-    ours_of = {hf.removesuffix("_proj"): ours for ours, hf in EXPERTS.items()}
-    for name, w in state_dict.items():
-        match = _HF.fullmatch(name)
-        if match is None:
-            dense[name] = w
-            continue
-        layer, e, proj = match.groups()
-        experts.setdefault((layer, ours_of[proj]), {})[int(e)] = w
-    converted = from_hf_names(dense, NAMES)
-    for (layer, ours), by_expert in experts.items():
-        stacked = torch.stack([by_expert[e] for e in range(len(by_expert))])
-        converted[f"layers.{layer}.feed_forward.experts.{ours}"] = stacked
+    dense, experts = experts_from_hf(state_dict)
+    converted = {**from_hf_names(dense, NAMES), **experts}
     for name in [n for n in converted if n.endswith("feed_forward.router.weight")]:
         num_experts = converted[name].shape[0]
         converted[name.replace("router.weight", "expert_bias")] = torch.zeros(num_experts)
