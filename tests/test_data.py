@@ -520,7 +520,7 @@ def test_local_folder_splits(tok, tmp_path: Path):
 
 def test_unknown_dataset():
     with pytest.raises(
-        ValueError, match="Unknown dataset 'nope'.*c4, kjv, kjv_validation.*training.dataset_path"
+        ValueError, match="Unknown dataset 'nope'.*c4, kjv, kjv_chat, kjv_validation.*training.dataset_path"
     ):
         load_text_dataset("nope")
 
