@@ -16,7 +16,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from test_data import merged_state  # noqa: E402
 
-from torchtitan.config.options import ChatConfig  # noqa: E402
+from torchtitan.config.options import ChatConfig, ConfigError  # noqa: E402
+from torchtitan.config.parser import parse_args  # noqa: E402
+from torchtitan.config_rules import check_layout  # noqa: E402
 from torchtitan.datasets.chat import ChatEncoder, detect_format, to_messages  # noqa: E402
 from torchtitan.datasets.chat_data import build_chat_dataset  # noqa: E402
 from torchtitan.datasets.chat_template import ChatTemplate, load_chat_template  # noqa: E402
@@ -258,3 +260,21 @@ def test_layout_invariance_and_resume(hf_tok, chats_file, layout):
     resumed = chat_loaders(hf_tok, chats_file, LAYOUTS[0])
     resumed[0].load_state_dict(merged_state(first))
     assert all(torch.equal(a, b) for a, b in zip(global_steps(resumed, 3), reference[2:]))
+
+
+@pytest.mark.parametrize(
+    ("args", "world", "message"),
+    [
+        (["--parallelism.tensor_parallel_degree", "2"], 2, "chat data does not run with TP yet"),
+        (["--parallelism.pipeline_parallel_degree", "2"], 2, "chat data does not run with PP yet"),
+        (["--validation.enable", "true"], 1, "validation.enable is not supported on chat data yet"),
+        (["--training.mixture", "kjv_chat"], 1, "training.mixture is not supported on chat data yet"),
+    ],
+)
+def test_layouts_and_data_paths_not_yet_supported_are_refused(args, world, message):
+    recipe = [
+        "--job.config_file",
+        str(Path(__file__).resolve().parents[1] / "train_configs/qwen3_chat_debug.toml"),
+    ]
+    with pytest.raises(ConfigError, match=f"chat.enable: .*{message}"):
+        check_layout(parse_args([*recipe, *args]), world)
