@@ -82,11 +82,15 @@ def main(job_config: JobConfig) -> int:
     load_balance = None
     if spec.moe:
         load_balance = LoadBalance(model_parts, job_config.moe, meshes.dp, meshes.pp, meshes.tp)
-    train_step = TrainStep(model_parts, pipeline, parallel_dims, training, device, load_balance, meshes.cp)
+    train_step = TrainStep(
+        model_parts, pipeline, parallel_dims, training, device, load_balance, meshes.cp, meshes.dp
+    )
     # This rank's rows of each global batch, in the step's micro-batches (gradient accumulation).
     layout = BatchLayout(training.batch_size, dp_degree, dp_rank, train_step.grad_accum_steps)
     pin_memory = device.type == "cuda"
-    data_loader = build_training_data_loader(training, tokenizer, layout, model_args.vocab_size, pin_memory)
+    data_loader = build_training_data_loader(
+        training, tokenizer, layout, model_args.vocab_size, pin_memory, job_config.chat
+    )
 
     optimizer = build_optimizer(model_parts, job_config.optimizer)
     lr_scheduler = build_lr_scheduler(optimizer, job_config.lr_scheduler, training.steps)
@@ -154,6 +158,7 @@ def main(job_config: JobConfig) -> int:
                     nonfinite.skipped,
                     data_loader.tokens_by_source(),
                     {name: value.item() for name, value in moe_metrics.items()},
+                    train_step.trained_tokens,
                 )
                 nonfinite.check(step, loss_value)
             if validator is not None and validator.should_validate(step):

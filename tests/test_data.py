@@ -468,7 +468,9 @@ def test_kjv_validation_split():
 
 
 @pytest.mark.parametrize("nproc", [1, 2, 4, 8])
-@pytest.mark.parametrize("recipe", ["debug_model", "debug_model_muon", "qwen3_debug", "qwen3_moe_debug"])
+@pytest.mark.parametrize(
+    "recipe", ["debug_model", "debug_model_muon", "qwen3_debug", "qwen3_moe_debug", "deepseek_v3_debug"]
+)
 def test_the_debug_recipes_evaluate_at_every_gpu_count(recipe, nproc):
     """The debug recipes' global validation batch fits the bundled held-out split at NGPU 1 to 8: every
     rank's first validation batch is whole (at 8 sequences per rank, NGPU 2 already had a row of one
@@ -520,7 +522,7 @@ def test_local_folder_splits(tok, tmp_path: Path):
 
 def test_unknown_dataset():
     with pytest.raises(
-        ValueError, match="Unknown dataset 'nope'.*c4, kjv, kjv_validation.*training.dataset_path"
+        ValueError, match="Unknown dataset 'nope'.*c4, kjv, kjv_chat, kjv_validation.*training.dataset_path"
     ):
         load_text_dataset("nope")
 

@@ -17,6 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from torchtitan.datasets.layout import IGNORE_INDEX
+
 
 class _ChunkedCrossEntropySum(torch.autograd.Function):
     """Sum over the rows of `hidden` (tokens, dim) of the cross entropy of `hidden @ weight.T` in fp32.
@@ -30,6 +32,7 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
         # The labels as rows of this rank's weight; the others score 0 here (another rank holds them).
         rows = labels - vocab_start
         owned = (rows >= 0) & (rows < weight.shape[0])
+        scored = (labels != IGNORE_INDEX).float()  # tokens without a target (chat data) score nothing
         rows = torch.where(owned, rows, 0)
         # Kept for backward with vocabulary shards; one process recomputes the softmax whole.
         log_sum_exp = torch.empty(
@@ -49,14 +52,14 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
             sums = torch.stack([logits.sub_(maxima[:, None]).exp_().sum(dim=1), label_logits])
             dist.all_reduce(sums, group=group)
             log_sum_exp[start:end] = maxima + sums[0].log()
-            total = total + (log_sum_exp[start:end] - sums[1]).sum()
-        ctx.save_for_backward(hidden, weight, rows, owned, log_sum_exp)
+            total = total + ((log_sum_exp[start:end] - sums[1]) * scored[start:end]).sum()
+        ctx.save_for_backward(hidden, weight, rows, owned, scored, log_sum_exp)
         ctx.chunk, ctx.sharded = chunk, group is not None
         return total
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):
-        hidden, weight, rows, owned, log_sum_exp = ctx.saved_tensors
+        hidden, weight, rows, owned, scored, log_sum_exp = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden)
         # Summed in fp32 over the chunks, whatever the matmul dtype.
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)
@@ -70,7 +73,7 @@ class _ChunkedCrossEntropySum(torch.autograd.Function):
             else:
                 grad_logits = torch.softmax(logits, dim=-1)
             grad_logits.scatter_add_(1, rows[start:end, None], -owned[start:end, None].float())
-            grad_logits = (grad_logits * grad_total).to(hidden.dtype)
+            grad_logits = (grad_logits * (grad_total * scored[start:end, None])).to(hidden.dtype)
             grad_hidden[start:end] = grad_logits @ weight
             grad_weight += (grad_logits.T @ hidden[start:end]).float()
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
@@ -92,10 +95,15 @@ def _vocab_shard(hidden: torch.Tensor, weight: DTensor) -> tuple[torch.Tensor, t
 
 
 def chunked_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+    denominator: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean cross entropy of the logits `hidden @ weight.T` (upcast to fp32) against `labels`, as
-    `F.cross_entropy(F.linear(hidden, weight).float(), labels)` but `chunk_tokens` tokens at a time.
+    `F.cross_entropy(F.linear(hidden, weight).float(), labels)` but `chunk_tokens` tokens at a time; with
+    `denominator`, the sum over the tokens whose label is not IGNORE_INDEX divided by it (train_step.py).
 
     hidden: (..., dim) final-norm outputs; weight: (vocab, dim); labels: (...) token ids. Under
     autocast the matmuls run in its dtype, as the output projection's would. With TP, `weight` is
@@ -113,4 +121,4 @@ def chunked_cross_entropy(
         total = _ChunkedCrossEntropySum.apply(
             hidden.flatten(0, -2), weight, labels.flatten(), chunk_tokens, vocab_start, group
         )
-    return total / labels.numel()
+    return total / (labels.numel() if denominator is None else denominator)

@@ -238,6 +238,29 @@ def validation_batch_size(job_config: JobConfig, dp_degree: int) -> int:
     return job_config.training.batch_size if validation.batch_size == -1 else validation.batch_size
 
 
+def check_chat(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
+    """Chat data carries its conversations' bounds as positions, which block_causal attention reads; the
+    layouts and data paths that do not pass them on yet are refused rather than trained wrong."""
+    if not job_config.chat.enable:
+        return
+    if job_config.model.attn_mask_type != "block_causal":
+        raise ConfigError(
+            "chat.enable: conversations are packed as documents; set model.attn_mask_type = block_causal"
+        )
+    for name in ("tp", "cp", "pp"):
+        if getattr(parallel_dims, name) > 1:
+            raise ConfigError(
+                f"chat.enable: chat data does not run with {name.upper()} yet; use data parallelism "
+                "(FSDP, HSDP, DDP) and gradient accumulation"
+            )
+    for option, unsupported in (
+        ("training.mixture", job_config.training.mixture),
+        ("validation.enable", job_config.validation.enable),
+    ):
+        if unsupported:
+            raise ConfigError(f"chat.enable: {option} is not supported on chat data yet; leave it unset")
+
+
 def mixture_sources(training_config: TrainingConfig) -> list[tuple[str, float]]:
     """training.mixture as (source, weight) pairs: 'source:weight' items, the weight 1 when left out.
     Sources are told apart by their real path, so that one folder given twice (through a symlink, with a
@@ -415,6 +438,7 @@ def check_layout(
         check_pipeline(job_config, model_args.n_layers)
     gradient_accumulation_steps(job_config.training, parallel_dims)
     check_validation(job_config, parallel_dims)
+    check_chat(job_config, parallel_dims)
     check_lr_schedule(job_config.lr_scheduler, job_config.training.steps)
     check_optimizer(job_config.optimizer)
     check_hf_export(job_config)

@@ -174,10 +174,12 @@ class MetricLogger:
         skipped_steps: int,
         source_tokens: dict[str, int] | None = None,
         moe: dict[str, float] | None = None,
+        trained_tokens: torch.Tensor | None = None,
     ) -> None:
         """Log the window that ends at `step`; `skipped_steps` counts the steps so far whose
         non-finite gradients were dropped; `source_tokens`: a mixture's tokens per source so far; `moe`:
-        a mixture-of-experts model's `expert_load` and `aux_loss` of the step (torchtitan/load_balance.py)."""
+        a mixture-of-experts model's `expert_load` and `aux_loss` of the step (torchtitan/load_balance.py);
+        `trained_tokens`: chat data's tokens with a target in the step's global batch (tps counts all)."""
         now = time.perf_counter()
         step_time, steps = now - self._window_start, max(self._window_steps, 1)
         tps = self.tokens_per_step * self._window_steps / step_time if step_time > 0 else 0.0
@@ -202,6 +204,8 @@ class MetricLogger:
         if source_tokens is not None:
             record["source_tokens"] = source_tokens
         record.update(moe or {})
+        if trained_tokens is not None:
+            record["trained_tokens"] = int(trained_tokens.item())
         if (
             self.compiled
         ):  # so far in this process: one graph per distinct block and one for the loss is ideal
@@ -223,7 +227,8 @@ class MetricLogger:
             + (f"expert_load: {record['expert_load']:.2f}  " if "expert_load" in record else "")
             + f"{c.gray}lr: {record['lr']:.2e}  "
             f"{c.blue}tps: {record['tps']:,.0f}  "
-            f"{c.magenta}mfu: {mfu_text}  "
+            + (f"trained_tokens: {record['trained_tokens']:,}  " if "trained_tokens" in record else "")
+            + f"{c.magenta}mfu: {mfu_text}  "
             f"{c.yellow}memory: {record['memory_gib']:.2f}GiB({record['memory_pct']:.1f}%)  "
             f"{c.gray}data: {record['data_time_pct']:.1f}%  "
             f"{c.gray}eta: {format_duration(eta)}{c.reset}"

@@ -16,20 +16,25 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torchtitan.chunked_loss import chunked_cross_entropy
 from torchtitan.config.options import JobConfig, TrainingConfig
 from torchtitan.config_rules import gradient_accumulation_steps
+from torchtitan.datasets.layout import IGNORE_INDEX, Batch
 from torchtitan.load_balance import LoadBalance
-from torchtitan.models.documents import find_documents
+from torchtitan.models.documents import documents_from_positions, find_documents
 from torchtitan.parallelisms.context_parallel import sequence_layouts, shard_sequence
+from torchtitan.parallelisms.distributed import dist_sum
 from torchtitan.parallelisms.float8 import convert_to_float8
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.parallelize import DTYPES, loss_skips_output, parallelize, set_grad_all_reduce
 from torchtitan.parallelisms.pipeline import Pipeline, StageIO, build_pipeline
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # (input ids, labels), both (batch, seq_len)
 
-
-def loss_fn(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy over the tokens of a batch (or of a pipeline micro-batch)."""
-    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten())
+def loss_fn(
+    pred: torch.Tensor, labels: torch.Tensor, denominator: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mean cross entropy over the tokens of a batch (or of a pipeline micro-batch); with `denominator`
+    (chat data), the sum over the tokens that have a target (label not IGNORE_INDEX) divided by it."""
+    if denominator is None:
+        return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten())
+    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(), reduction="sum") / denominator
 
 
 def stage_loss_fn(
@@ -79,7 +84,13 @@ class TrainStep:
 
     The gradients of the micro-batches add up to the gradient of their mean loss; replicas (HSDP/DDP)
     all-reduce after the last one only. With pipeline parallelism, the schedule runs forward and
-    backward over its own micro-batches of each batch."""
+    backward over its own micro-batches of each batch.
+
+    Chat batches (with positions) have tokens without a target, as many as each conversation's prompts:
+    their loss is the mean over the trained tokens of the whole global batch, whatever the layout. A
+    step takes all its micro-batches first to count them over the data-parallel ranks (`dp_mesh`), N;
+    each micro-batch's loss is its sum divided by N / (micro-batches x ranks), so that the mean over the
+    micro-batches and ranks, which the gradients' accumulation and averaging take, is the sum over N."""
 
     def __init__(
         self,
@@ -90,8 +101,13 @@ class TrainStep:
         device: torch.device,
         load_balance: LoadBalance | None = None,
         cp_mesh: DeviceMesh | None = None,
+        dp_mesh: DeviceMesh | None = None,
     ) -> None:
         self.model_parts = model_parts
+        self.dp_mesh = dp_mesh
+        # Chat data: the last step's trained tokens over the global batch, and what a loss is divided by.
+        self.trained_tokens: torch.Tensor | None = None
+        self.loss_denominator: torch.Tensor | None = None
         # block_causal: the documents of the whole sequences, found before context parallelism shares
         # their tokens out, and given to every pipeline stage (a later one is given hidden states).
         model_args = model_parts[0].model_args
@@ -134,9 +150,14 @@ class TrainStep:
         their mean loss (the language-model loss, without an auxiliary loss), 0 on pipeline ranks without
         the last stage (sum it over the pipeline)."""
         microbatches = microbatches or self.grad_accum_steps
+        taken = [next(batches)]
+        if len(taken[0]) > 2:  # chat data: the step's trained tokens are counted first
+            taken += [next(batches) for _ in range(microbatches - 1)]
+            self._count_trained_tokens(taken)
         losses = []
         for microbatch in range(microbatches):
-            inputs, labels, model_kwargs = self._on_device(next(batches))
+            batch = taken[microbatch] if microbatch < len(taken) else next(batches)
+            inputs, labels, model_kwargs = self._on_device(batch)
             for part in self.model_parts:
                 set_grad_all_reduce(part, microbatch == microbatches - 1)
             with self.loss_context():
@@ -147,13 +168,28 @@ class TrainStep:
             losses.append(loss.detach())
         return torch.stack(losses).mean()
 
+    def _count_trained_tokens(self, step: list[Batch]) -> None:
+        """The trained tokens of the global batch (`step`: this rank's micro-batches), and the
+        denominator of each micro-batch's loss."""
+        local = sum(int((labels != IGNORE_INDEX).sum()) for _, labels, *_ in step)
+        count = torch.tensor(local, dtype=torch.float32, device=self.device)
+        if self.dp_mesh is not None:
+            count = dist_sum(count, self.dp_mesh)
+        self.trained_tokens = count
+        ranks = self.dp_mesh.size() if self.dp_mesh is not None else 1
+        self.loss_denominator = count.clamp(min=1) / (len(step) * ranks)
+
     def _on_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """The batch on the device and the model's keyword arguments for it (block_causal's documents,
-        found on the host); under context parallelism, this rank's tokens of it."""
-        inputs, labels = batch
+        found on the host: from chat data's positions, else from the tokens); under context parallelism,
+        this rank's tokens of it."""
+        inputs, labels, *positions = batch
         model_kwargs, ids = {}, None
-        if self.find_documents:
+        if positions:
+            ids = documents_from_positions(positions[0])
+        elif self.find_documents:
             ids = self.find_documents(inputs)
+        if ids is not None:
             model_kwargs["document_ids"] = self._copy_to_device(ids)
         if self.cp_mesh is not None:
             layouts = sequence_layouts(inputs.shape[1], self.cp_mesh.size(), ids)
@@ -184,9 +220,11 @@ class TrainStep:
         with self.autocast:
             if self.loss_chunk_tokens:
                 hidden = model(inputs, skip_output=True, **model_kwargs)
-                return self.chunked_loss(hidden, model.output.weight, labels, self.loss_chunk_tokens)
+                return self.chunked_loss(
+                    hidden, model.output.weight, labels, self.loss_chunk_tokens, self.loss_denominator
+                )
             logits = model(inputs, **model_kwargs)
-        return self.loss_fn(logits, labels)
+        return self.loss_fn(logits, labels, self.loss_denominator)
 
     def _pipeline_loss(
         self, run: Callable[..., Any], inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict

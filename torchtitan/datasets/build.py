@@ -4,8 +4,9 @@ picked from where the data is; every kind lays its rows out as layout.py says.""
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from torchtitan.config.options import TrainingConfig
+from torchtitan.config.options import ChatConfig, TrainingConfig
 from torchtitan.config_rules import mixture_sources
+from torchtitan.datasets.chat_data import ChatDataset, build_chat_dataset
 from torchtitan.datasets.layout import BatchLayout
 from torchtitan.datasets.loader import DataLoader
 from torchtitan.datasets.mixture import MixtureDataset, PretokenizedSource, Source, TextSource
@@ -112,18 +113,29 @@ def build_dataset(
 
 
 def build_training_data_loader(
-    training: TrainingConfig, tokenizer: TextTokenizer, layout: BatchLayout, vocab_size: int, pin_memory: bool
+    training: TrainingConfig,
+    tokenizer: TextTokenizer,
+    layout: BatchLayout,
+    vocab_size: int,
+    pin_memory: bool,
+    chat: ChatConfig | None = None,
 ) -> DataLoader:
     """This rank's training data, as the `[training]` section says (its dataset, dataset_path or mixture,
-    seed, shuffle_windows, seq_len, data_workers, data_prefetch and data_timeout_seconds); a bad source is
-    one line naming the option (errors.py)."""
+    seed, shuffle_windows, seq_len, data_workers, data_prefetch and data_timeout_seconds), conversations
+    where `chat` is enabled (chat_data.py); a bad source is one line naming the option (errors.py)."""
     mixture = mixture_sources(training)
     option = "mixture" if mixture else "dataset_path" if training.dataset_path else "dataset"
     source = DataSource(
         training.dataset, training.dataset_path, mixture, seed=training.seed, shuffle=training.shuffle_windows
     )
-    with bad_input(f"training.{option}"):
-        dataset = build_dataset(source, tokenizer, training.seq_len, layout, vocab_size)
+    dataset: TextDataset | PretokenizedDataset | MixtureDataset | ChatDataset
+    if chat is not None and chat.enable:
+        dataset = build_chat_dataset(
+            chat, training.dataset, training.dataset_path, tokenizer, training.seq_len, layout
+        )
+    else:
+        with bad_input(f"training.{option}"):
+            dataset = build_dataset(source, tokenizer, training.seq_len, layout, vocab_size)
     return DataLoader(
         dataset,
         layout.batch_size,

@@ -6,6 +6,7 @@
 tiktoken `Tokenizer` (tokenizer.py), except that ``bos_id`` may be None: Qwen3 has no BOS.
 """
 
+import functools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,6 +68,7 @@ class HFTokenizer:
             missing = f"{path} holds no {TOKENIZER_JSON}" if path.is_dir() else f"no such file {file}"
             raise FileNotFoundError(f"{missing}; {FIX}")
         raw = file.read_bytes()
+        self._raw = raw
         try:
             json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -87,6 +89,8 @@ class HFTokenizer:
 
         config_path = path / TOKENIZER_CONFIG if path.is_dir() else None
         config = self._read_config(config_path) if config_path and config_path.is_file() else {}
+        self.config = config  # chat templates read their special tokens and template from it
+        self.folder = path if path.is_dir() else None
         before, after = self._post_processor_tokens()
         self.bos_id = self._special(config, "bos_token", config_path, before)
         if config.get("add_bos_token") is False:
@@ -149,6 +153,26 @@ class HFTokenizer:
         if eos:
             ids.append(self.eos_id)
         return ids
+
+    @functools.cached_property
+    def _rendered_backend(self) -> Backend:
+        """A reader that, unlike `encode`'s, makes special tokens of their text, as transformers reads a
+        rendered chat template: "<|im_start|>" there is the token, not its characters."""
+        backend = Backend.from_buffer(self._raw)
+        backend.no_truncation()
+        backend.no_padding()
+        return backend
+
+    def encode_rendered(self, s: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids of a rendered chat template (special tokens read as tokens, none added) and each
+        token's character span in `s`."""
+        encoding = self._rendered_backend.encode(s, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The special added tokens (end-of-turn markers among them)."""
+        return frozenset(i for i, t in self._backend.get_added_tokens_decoder().items() if t.special)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, special tokens included; byte sequences that are not UTF-8 become U+FFFD."""

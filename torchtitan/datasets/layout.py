@@ -13,7 +13,9 @@ import torch
 
 from torchtitan.logging import logger
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+# (input ids, labels), and for chat data each token's position in its conversation (chat_data.py).
+Batch = tuple[torch.Tensor, ...]
+IGNORE_INDEX = -100  # a label without loss (chat data's): F.cross_entropy's default ignore_index
 
 
 def micro_batch_rows(

@@ -114,12 +114,12 @@ class _WorkerShare(IterableDataset):
         self.dataset = dataset
         self.num_workers = num_workers
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
+    def __iter__(self) -> Iterator[tuple[Batch, dict[str, Any]]]:
         self.dataset.keep_share(get_worker_info().id, self.num_workers)
-        for inputs, labels in self.dataset:
+        for batch in self.dataset:
             # As plain ints: a tensor (or an array, which the loader turns into one) per state entry would
             # cost a shared-memory segment per batch. All dataset states are int64 tensors.
-            yield inputs, labels, _map_state(torch.Tensor.tolist, self.dataset.state_dict())
+            yield batch, _map_state(torch.Tensor.tolist, self.dataset.state_dict())
 
 
 def _map_state(fn: Callable[[Any], Any], state: dict[str, Any]) -> dict[str, Any]:
@@ -189,8 +189,8 @@ class DataLoader(Stateful):
         )
         for first in parts:
             shares = [first] + [next(parts) for _ in range(self.num_workers - 1)]
-            self._state = [s[2] for s in shares]  # merged when asked for: rarely, not every batch
-            yield self._join([s[0] for s in shares]), self._join([s[1] for s in shares])
+            self._state = [s[1] for s in shares]  # merged when asked for: rarely, not every batch
+            yield tuple(self._join(parts) for parts in zip(*(s[0] for s in shares)))
 
     def _on_time(self, items: Iterator[T], maker: Callable[[int], str]) -> Iterator[T]:
         """`items`, each within `timeout` seconds, else a DataLoaderError naming `maker(i)`, what makes

@@ -19,5 +19,7 @@ class DatasetSpec:
 DATASETS: dict[str, DatasetSpec] = {
     "kjv": DatasetSpec(path="assets/corpus/kjv", local=True),
     "kjv_validation": DatasetSpec(path="assets/corpus/kjv", local=True, split="validation"),
+    # Conversations (chat.enable): scripts/make_chat_data.py makes them from the corpus above.
+    "kjv_chat": DatasetSpec(path="assets/corpus/kjv_chat", local=True),
     "c4": DatasetSpec(path="allenai/c4", config="en", streaming=True),
 }

@@ -1,6 +1,8 @@
 """Where text documents come from: a registered dataset (registry.py) or local files, read with Hugging Face
 `datasets` as a dataset with one "text" column (map-style, or streaming for a hub dataset that streams)."""
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import datasets
@@ -63,10 +65,17 @@ def _load_local(path: Path, split: str) -> datasets.Dataset:
     # A .txt file is one document; json/parquet rows are documents.
     options = {"sample_by": "document"} if builder == "text" else {}
     # Local files: the "Generating train split" bar tells nothing (a hub download keeps its bars).
+    with quiet_progress_bars():
+        return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **options)
+
+
+@contextlib.contextmanager
+def quiet_progress_bars() -> Iterator[None]:
+    """`datasets`' progress bars off, for work on local files that takes no time worth showing."""
     bars_were_on = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
-        return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **options)
+        yield
     finally:
         if bars_were_on:
             datasets.enable_progress_bars()
@@ -87,10 +96,10 @@ def source_files(dataset_name: str, dataset_path: str | None = None, split: str 
     return [] if local is None else _local_files(local, (spec.split if spec else None) or split)
 
 
-def load_text_dataset(
+def load_rows(
     dataset_name: str, dataset_path: str | None = None, split: str = "train"
-) -> datasets.Dataset | datasets.IterableDataset:
-    """Load a registered dataset, or local files at `dataset_path`, as a dataset with one "text" column.
+) -> tuple[datasets.Dataset | datasets.IterableDataset, DatasetSpec]:
+    """A registered dataset, or local files at `dataset_path`, with all its columns, and its spec.
 
     `dataset_path` (a .txt/.json/.jsonl/.parquet file, or a folder of them) overrides where the data is read
     from; with it, `dataset_name` may also be a name of your own.
@@ -112,6 +121,14 @@ def load_text_dataset(
 
     if isinstance(ds, datasets.Dataset) and len(ds) == 0:
         raise ValueError(f"Dataset {dataset_name!r} ({dataset_path or spec.path}, split {split!r}) is empty")
+    return ds, spec
+
+
+def load_text_dataset(
+    dataset_name: str, dataset_path: str | None = None, split: str = "train"
+) -> datasets.Dataset | datasets.IterableDataset:
+    """`load_rows`' dataset as one "text" column (the spec's text field)."""
+    ds, spec = load_rows(dataset_name, dataset_path, split)
     if ds.column_names is not None and spec.text_field not in ds.column_names:
         raise ValueError(
             f"Dataset {dataset_name!r} has no {spec.text_field!r} field "

@@ -248,10 +248,13 @@ class TextStreams:
             self.documents: MapDocuments | StreamingDocuments = MapDocuments(name, ds, num_streams)
         else:
             self.documents = StreamingDocuments(name, ds, num_streams, rows)
-        self.streams = {s: PackedStream(s, self.documents, tokenizer, window, self._on_epoch) for s in rows}
+        self.streams = {s: self._make_stream(s, tokenizer, window) for s in rows}
         # The streams depend on how many there are: their state is saved under a key that says so.
         self.state_key = f"global_batch_{num_streams}"
         self._warned_epoch = 0
+
+    def _make_stream(self, index: int, tokenizer: TextTokenizer, window: int) -> PackedStream:
+        return PackedStream(index, self.documents, tokenizer, window, self._on_epoch)
 
     def _on_epoch(self, epoch: int) -> None:
         if epoch > self._warned_epoch:
@@ -279,7 +282,7 @@ class TextStreams:
 
     def fresh_state(self) -> dict[str, torch.Tensor]:
         """The state of streams that have read nothing yet."""
-        return {f"stream_{s}": torch.zeros(4, dtype=torch.long) for s in self.streams}
+        return {f"stream_{s}": torch.zeros_like(stream.state()) for s, stream in self.streams.items()}
 
     def load(self, state: dict[str, torch.Tensor]) -> None:
         for s, stream in self.streams.items():

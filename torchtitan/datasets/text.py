@@ -89,8 +89,12 @@ class TextDataset(IterableDataset, Stateful):
             for group in self._groups:
                 if self._text.streams[group[0]].windows > step:
                     continue
-                batch = torch.stack([self._text.next_window(s) for s in group])
-                yield batch[:, :-1], batch[:, 1:]
+                yield self._batch(group)
+
+    def _batch(self, rows: list[int]) -> Batch:
+        """The micro-batch of streams `rows`: their next windows, inputs and labels shifted by one."""
+        batch = torch.stack([self._text.next_window(s) for s in rows])
+        return batch[:, :-1], batch[:, 1:]
 
     def keep_share(self, worker: int, num_workers: int) -> None:
         """Keep rows ``worker, worker + num_workers, ...`` of each micro-batch (data loading workers)."""

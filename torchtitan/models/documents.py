@@ -1,10 +1,12 @@
 """Packed documents (`model.attn_mask_type = "block_causal"`): each token attends only to the earlier
 tokens of its own document, and RoPE counts its position from the document's start.
 
-The data path packs documents back to back into windows, each ending with its EOS; the documents are
-found again from the token ids the model is given (`find_documents`), so every data path, validation,
-evaluation and generation get the same mask without the loader carrying anything new. A window that
-starts inside a document starts a document at its first token.
+The text data path packs documents back to back into windows, each ending with its EOS; the documents
+are found again from the token ids the model is given (`find_documents`), so every text data path,
+validation, evaluation and generation get the same mask without the loader carrying anything new. A
+window that starts inside a document starts a document at its first token. Chat data cannot be split at
+EOS (Qwen3's <|im_end|> ends every turn of a conversation): its batches carry each token's position in its
+conversation, and the documents are found from those (`documents_from_positions`) instead.
 
 Attention never builds a sequence x sequence mask: on CPU each document segment attends on its own
 (CPU flash attention, causal), so a masked block costs nothing and memory stays linear in the
@@ -44,6 +46,12 @@ def find_documents(tokens: torch.Tensor, eos_id: int, bos_id: int | None) -> tor
     if bos_id is not None:
         starts[:, 1:] |= tokens[:, 1:] == bos_id
     return starts.long().cumsum(1)
+
+
+def documents_from_positions(positions: torch.Tensor) -> torch.Tensor:
+    """(bs, seqlen) int64: each token's document, counted from 0 in each row, from its position in its
+    document (a document starts where the position is 0)."""
+    return (positions == 0).long().cumsum(1) - 1
 
 
 def document_positions(ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,145 @@
+"""Training on chat data (train.py with [chat]): step 1's loss from a Hugging Face Qwen3 folder is
+transformers' on the same packed batch (labels -100 where nothing is trained, positions restarting per
+conversation), with the chunked loss too; FSDP 2 and gradient accumulation train the losses of one
+process (the loss is the mean over the global batch's trained tokens); bad chat input is one line and
+exit 2 before any step."""
+
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from launch import ROOT, TINY_JOB, losses, read_metrics, run_train, run_train_in_process
+from test_hf_load import hub_folder
+
+from scripts import show_data
+from torchtitan.config.parser import parse_args
+from torchtitan.datasets.build import build_training_data_loader
+from torchtitan.datasets.hf_tokenizer import HFTokenizer
+from torchtitan.datasets.layout import IGNORE_INDEX, BatchLayout
+from torchtitan.models.qwen3 import qwen3_configs
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("hf_cache")
+
+HF_TOKENIZER = ROOT / "assets" / "tokenizer" / "kjv_bpe_hf"
+CHAT = [
+    *TINY_JOB,
+    *("--model.name", "qwen3", "--model.flavor", "debugmodel", "--model.attn_mask_type", "block_causal"),
+    *("--model.tokenizer_path", str(HF_TOKENIZER), "--chat.enable", "true"),
+    *("--training.dataset", "kjv_chat", "--training.seq_len", "128", "--training.steps", "3"),
+]
+
+
+def test_first_loss_is_transformers(tmp_path, monkeypatch):
+    tiny = {"dim": 32, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "head_dim": 16, "hidden_dim": 64}
+    monkeypatch.setitem(qwen3_configs, "tiny", replace(qwen3_configs["debugmodel"], **tiny))
+    hub = hub_folder(tmp_path, "qwen3", **tiny)
+    argv = [*CHAT, "--model.flavor", "tiny", "--checkpoint.initial_load_path", str(hub)]
+    argv += ["--training.steps", "1", "--optimizer.lr", "0", "--training.seq_len", "256"]
+    job = parse_args(argv)
+    batch_size = job.training.batch_size
+    loader = build_training_data_loader(
+        job.training, HFTokenizer(HF_TOKENIZER), BatchLayout(batch_size), 2256, False, job.chat
+    )
+    inputs, labels, positions = next(iter(loader))
+    assert (positions == 0).sum() > 2 * batch_size  # several conversations a row: the packing is tested
+    assert labels[:, -1].eq(IGNORE_INDEX).all()  # so transformers' labels, shifted by one, are ours
+    hf_labels = torch.cat([torch.full((batch_size, 1), IGNORE_INDEX), labels[:, :-1]], dim=1)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(hub, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf_model(input_ids=inputs, position_ids=positions, labels=hf_labels, use_cache=False).loss
+        unpacked = hf_model(input_ids=inputs, labels=hf_labels, use_cache=False).loss
+    assert abs(unpacked - expected) > 1e-3  # the later conversations of a row are trained on too
+    for name, extra in {"plain": [], "chunked": ["--training.loss_chunk_tokens", "48"]}.items():
+        assert run_train_in_process(*argv, *extra, "--job.dump_folder", str(tmp_path / name)) == 0
+        assert abs(losses(tmp_path / name)[1] - expected.item()) <= 1e-5, (name, losses(tmp_path / name))
+    assert read_metrics(tmp_path / "plain")[0]["trained_tokens"] == int((labels != IGNORE_INDEX).sum())
+
+
+def test_fsdp_and_accumulation_train_the_losses_of_one_process(tmp_path):
+    assert run_train_in_process(*CHAT, "--job.dump_folder", str(tmp_path / "one")) == 0
+    one = losses(tmp_path / "one")
+    batch = str(parse_args(CHAT).training.batch_size // 2)
+    accumulated = [*CHAT, "--training.global_batch_size", str(parse_args(CHAT).training.batch_size)]
+    assert (
+        run_train_in_process(
+            *accumulated, "--training.batch_size", batch, "--job.dump_folder", str(tmp_path / "acc")
+        )
+        == 0
+    )
+    result = run_train(2, tmp_path / "fsdp", *CHAT[len(TINY_JOB) :], "--training.batch_size", batch)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for other in ("acc", "fsdp"):
+        got = losses(tmp_path / other)
+        assert got.keys() == one.keys() == {1, 2, 3}
+        assert all(abs(got[s] - one[s]) <= 1e-5 for s in one), (other, got, one)
+
+
+def tokenizer_without_template(folder: Path) -> Path:
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((HF_TOKENIZER / name).read_bytes())
+    return folder
+
+
+def chats(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_bad_chat_input_is_one_line(tmp_path, capsys):
+    plain = str(tokenizer_without_template(tmp_path / "tok"))
+    (tmp_path / "raises.jinja").write_text("{{ raise_exception('roles must alternate') }}")
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}")
+    good = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}]
+    cases = {
+        "chat.template_path: the chat template .* does not render a conversation: roles must alternate": [
+            *("--model.tokenizer_path", plain, "--chat.template_path", str(tmp_path / "raises.jinja"))
+        ],
+        "chat.template_path: the chat template .* does not compile": [
+            *("--model.tokenizer_path", plain, "--chat.template_path", str(tmp_path / "broken.jinja"))
+        ],
+        "chat.template_path: the tokenizer has no chat template": ["--model.tokenizer_path", plain],
+        "training.dataset_path: .*unknown role 'robot'": [
+            "--training.dataset_path",
+            chats(tmp_path / "robot.jsonl", [{"messages": [{"role": "robot", "content": "beep"}]}]),
+        ],
+        r"training.dataset_path: chat.format auto: the columns \['text'\] are none of": [
+            "--training.dataset_path",
+            chats(tmp_path / "text.jsonl", [{"text": "plain"}]),
+        ],
+        "chat.enable: conversations are packed as documents; set model.attn_mask_type = block_causal": [
+            "--model.attn_mask_type",
+            "causal",
+            "--training.dataset_path",
+            chats(tmp_path / "ok.jsonl", good),
+        ],
+    }
+    for i, (message, args) in enumerate(cases.items()):
+        capsys.readouterr()
+        assert run_train_in_process(*CHAT, *args, "--job.dump_folder", str(tmp_path / f"run{i}")) == 2, (
+            message
+        )
+        err = capsys.readouterr().err
+        line = err.split("error:")[-1]
+        assert err.count("error:") == 1 and line.count("\n") == 1, err
+        assert re.search(message, line), (message, line)
+        assert not (tmp_path / f"run{i}" / "metrics.jsonl").exists()
+
+
+def test_show_data_marks_what_is_not_trained(capsys):
+    recipe = ["--job.config_file", str(ROOT / "train_configs" / "qwen3_chat_debug.toml")]
+    assert show_data.main([*recipe, "--json", "--rows", "2"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 2 and all(len(row["input_ids"]) == 256 for row in rows)
+    for row in rows:
+        assert row["positions"][0] == 0 and row["positions"].count(0) > 1
+        assert IGNORE_INDEX in row["labels"] and any(label != IGNORE_INDEX for label in row["labels"])
+    assert show_data.main([*recipe, "--rows", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "⟦<|im_start|>system\n" in text and "assistant\n⟧In the beginning" in text
+    assert show_data.main(["--training.seq_len", "16", "--rows", "1"]) == 0  # text data: every token
+    assert capsys.readouterr().out.count("⟦") == 1

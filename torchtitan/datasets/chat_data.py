@@ -1,0 +1,190 @@
+"""Chat data -> packed ``(input_ids, labels, positions)`` windows for fine-tuning.
+
+Conversations are dealt to the rows of the global batch as text documents are (streams.py: conversation i
+to stream ``i % S``), so global row j of step k is the same whatever the data-parallel layout, and a
+stream's state (epoch, conversation, windows taken) resumes it. Unlike text, a conversation is never cut
+across windows: each window holds whole conversations, in order, until the next one does not fit, and the
+rest is padding. Each conversation is a document: its tokens' positions count from 0, the label of its
+last token and of padding is -100 (IGNORE_INDEX: no loss), as is every label that chat.loss_on does not
+train, so that no target crosses a conversation.
+"""
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import datasets
+import torch
+
+from torchtitan.config.options import ChatConfig, ConfigError
+from torchtitan.datasets.chat import ChatEncoder, Encoded, detect_format, to_messages
+from torchtitan.datasets.chat_template import load_chat_template
+from torchtitan.datasets.hf_tokenizer import HFTokenizer
+from torchtitan.datasets.layout import IGNORE_INDEX, Batch, BatchLayout
+from torchtitan.datasets.sources import load_rows, quiet_progress_bars
+from torchtitan.datasets.streams import MapDocuments, StreamingDocuments, TextStreams
+from torchtitan.datasets.text import TextDataset
+from torchtitan.errors import bad_input
+
+
+def load_chat_dataset(
+    dataset_name: str, dataset_path: str | None, split: str, fmt: str
+) -> datasets.Dataset | datasets.IterableDataset:
+    """The conversations of a dataset as one "text" column, each a JSON list of role/content messages
+    (what the streams deal out); a map-style dataset is converted, and so checked, whole here."""
+    ds, _ = load_rows(dataset_name, dataset_path, split)
+    columns = ds.column_names or list(next(iter(ds)))  # a streamed dataset may not know its columns
+    fmt = detect_format(columns, fmt)
+    with quiet_progress_bars():
+        return ds.map(lambda row: {"text": json.dumps(to_messages(row, fmt))}, remove_columns=columns)
+
+
+class ChatStream:
+    """One row's conversations, each packed whole. Its state is three integers: the epoch, the index of
+    the next conversation to place among the stream's own, and the windows taken."""
+
+    def __init__(
+        self,
+        index: int,
+        documents: MapDocuments | StreamingDocuments,
+        encoder: ChatEncoder,
+        window: int,
+        pad_id: int,
+        on_epoch: Callable[[int], None],
+    ):
+        self.index = index
+        self._documents = documents
+        self._encoder = encoder
+        self._window = window
+        self._pad_id = pad_id
+        self._on_epoch = on_epoch
+        self.load(torch.zeros(3, dtype=torch.long))
+
+    def state(self) -> torch.Tensor:
+        return torch.tensor([self.epoch, self.doc, self.windows], dtype=torch.long)
+
+    def load(self, state: torch.Tensor) -> None:
+        self.epoch, self.doc, self.windows = (int(v) for v in state)
+        self._next: Encoded | None = None  # conversation `doc`, encoded, once it waited for a window
+        self._trained_in_epoch = self.doc > 0
+
+    def _encode_next(self) -> Encoded:
+        """Conversation `doc`, the refused ones skipped (chat.py counts them)."""
+        while True:
+            text = self._documents.get(self.index, self.epoch, self.doc)
+            if text is None:  # past this stream's last conversation: the next epoch starts
+                if not self._trained_in_epoch:
+                    raise ValueError(
+                        f"no conversation dealt to row {self.index} of the global batch has a token to "
+                        "train on (see the counts logged); check the data and chat.loss_on"
+                    )
+                self.epoch, self.doc, self._trained_in_epoch = self.epoch + 1, 0, False
+                self._on_epoch(self.epoch)
+                continue
+            encoded = self._encoder.encode(json.loads(text))
+            if encoded is not None:
+                self._trained_in_epoch = True
+                return encoded
+            self.doc += 1
+
+    def next_window(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Input ids, labels and positions of the next window of whole conversations."""
+        ids: list[int] = []
+        labels: list[int] = []
+        positions: list[int] = []
+        while True:
+            conversation = self._next or self._encode_next()
+            if ids and len(ids) + len(conversation.ids) > self._window:
+                self._next = conversation  # the first of the next window
+                break
+            self._next = None
+            self.doc += 1
+            n = len(conversation.ids)
+            ids += conversation.ids
+            labels += [
+                t if trained else IGNORE_INDEX
+                for t, trained in zip(conversation.ids[1:], conversation.trained[1:])
+            ]
+            labels.append(IGNORE_INDEX)
+            positions += range(n)
+            if len(ids) == self._window:
+                break
+        padding = self._window - len(ids)
+        self.windows += 1
+        return (
+            torch.tensor(ids + [self._pad_id] * padding, dtype=torch.long),
+            torch.tensor(labels + [IGNORE_INDEX] * padding, dtype=torch.long),
+            torch.tensor(positions + list(range(padding)), dtype=torch.long),
+        )
+
+
+class ChatStreams(TextStreams):
+    """A rank's streams of conversations (streams.py's dealing, chat windows)."""
+
+    what = "Chat dataset"
+
+    def __init__(
+        self,
+        name: str,
+        ds: Any,
+        encoder: ChatEncoder,
+        window: int,
+        pad_id: int,
+        num_streams: int,
+        rows: list[int],
+    ):
+        self._pad_id = pad_id
+        super().__init__(name, ds, encoder, window, num_streams, rows)
+        # Three integers per stream, not text's four: saved under a key of their own.
+        self.state_key = f"chat_global_batch_{num_streams}"
+
+    def _make_stream(self, index: int, encoder: ChatEncoder, window: int) -> ChatStream:
+        return ChatStream(index, self.documents, encoder, window, self._pad_id, self._on_epoch)
+
+
+class ChatDataset(TextDataset):
+    """A data-parallel rank's micro-batches of chat data: `TextDataset`'s rows and state, each row a
+    window of whole conversations. It never ends (chat data has no finite pass yet)."""
+
+    def __init__(
+        self, dataset_name: str, ds: Any, encoder: ChatEncoder, seq_len: int, pad_id: int, layout: BatchLayout
+    ):
+        # Not TextDataset.__init__: the streams are chat streams; the rest (rows, state) is shared.
+        self.dataset_name = dataset_name
+        self.seq_len = seq_len
+        self._groups = layout.micro_batch_rows()
+        self._text = ChatStreams(
+            dataset_name, ds, encoder, seq_len, pad_id, layout.global_batch, layout.rows()
+        )
+        self._finite_steps = None
+
+    def _batch(self, rows: list[int]) -> Batch:
+        windows = [self._text.next_window(s) for s in rows]
+        return tuple(torch.stack(parts) for parts in zip(*windows))
+
+
+def build_chat_dataset(
+    chat: ChatConfig,
+    dataset_name: str,
+    dataset_path: str | None,
+    tokenizer: Any,
+    seq_len: int,
+    layout: BatchLayout,
+    split: str = "train",
+) -> ChatDataset:
+    """A rank's chat data, as the `[chat]` section says; the template is tried on the first conversation
+    here, so that one that does not render stops the job before it trains."""
+    if not isinstance(tokenizer, HFTokenizer):
+        raise ConfigError(
+            "chat.enable: needs a Hugging Face tokenizer (model.tokenizer_path: a tokenizer.json folder), "
+            "whose special tokens the chat template writes"
+        )
+    with bad_input("chat.template_path"):
+        template = load_chat_template(tokenizer.folder, tokenizer.config, chat.template_path)
+    encoder = ChatEncoder(template, tokenizer, chat.loss_on, chat.overflow, seq_len)
+    with bad_input("training.dataset_path" if dataset_path else "training.dataset"):
+        ds = load_chat_dataset(dataset_name, dataset_path, split, chat.format)
+    with bad_input("chat.template_path"):
+        template.render(json.loads(next(iter(ds))["text"]))
+    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
+    return ChatDataset(dataset_name, ds, encoder, seq_len, pad_id, layout)
