@@ -26,10 +26,14 @@ def test_a_moved_value_or_a_missing_step_is_a_difference():
 
 
 def test_the_readme_quotes_the_stored_validation_loss():
-    """README's Quick start quotes the first command's validation line: the stored curve's step 50."""
+    """README's Quick start quotes the first command's validation line: the stored curve's step 50, to
+    the rounding of the unpinned kernels that command runs (1e-5 apart from the curve's)."""
     import math
+    import re
     from pathlib import Path
 
-    loss = loss_curve.stored()["validation_loss"][50]
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert f"validate step 50: loss {loss:.4f}  perplexity {math.exp(loss):.2f}" in readme
+    quoted = re.search(r"validate step 50: loss ([\d.]+)  perplexity ([\d.]+)", readme)
+    loss = loss_curve.stored()["validation_loss"][50]
+    assert quoted is not None
+    assert abs(float(quoted[1]) - loss) <= 1e-4 and abs(float(quoted[2]) - math.exp(loss)) <= 0.02
