@@ -459,7 +459,7 @@ CASES = [
     Case(
         "mixture unknown source",
         args("--training.mixture", "kjv:1,wikipedia:1"),
-        "training.mixture: unknown source wikipedia: not a dataset name (c4, kjv, kjv_validation)",
+        "training.mixture: unknown source wikipedia: not a dataset name (c4, kjv, kjv_chat, kjv_validation)",
     ),
     Case(
         "mixture weights overflow",
