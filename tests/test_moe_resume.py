@@ -1,9 +1,18 @@
-"""Qwen3-MoE resumes exactly across expert-parallel layouts, its routing biases and their history with it
-(both balancing methods on, Muon's momentum for the experts each rank holds): saved by one process and
-resumed on EP 2 within 1e-5 of the run that never stopped (the biases within 1e-6); EP 2 killed with
-SIGKILL once an asynchronous save is complete and relaunched bit for bit (biases and optimizer state
-included); EP 2's checkpoint resumed by one process within 1e-5. Parity with one process on every layout:
-test_parity.py, scripts/parity_matrix.py."""
+"""A mixture of experts resumes exactly across expert-parallel layouts, its routing biases and their
+history with it (both balancing methods on, Muon's momentum for the experts each rank holds).
+
+DeepSeek-V3's debug model runs the whole proof, as it exercises strictly more than Qwen3-MoE: the same
+shared MoE layer with its routing bias, plus MLA's latent projections and norms, sigmoid group-limited
+routing, a shared expert and a dense first layer. Saved by one process and resumed on EP 2 (on 2 ranks:
+the experts split over them, everything else FSDP-sharded over the same 2, "EP 2 x FSDP 2") within 1e-5
+of the run that never stopped (the biases within 1e-6); EP 2 killed with SIGKILL once an asynchronous
+save is complete and relaunched bit for bit (biases and optimizer state included); EP 2's checkpoint
+resumed by one process within 1e-5.
+
+Qwen3-MoE keeps a resume proof of its own (its state names, softmax routing and per-head norms):
+test_qwen3_moe_ep2_checkpoint_resumes_on_one_process, EP 2's checkpoint resumed by one process within
+1e-5 of EP 2's own run. Parity with one process on every layout: test_parity.py,
+scripts/parity_matrix.py."""
 
 import shutil
 
@@ -11,11 +20,14 @@ import torch
 from launch import read_metrics, run_train
 
 from scripts import chaos
-from scripts.parity_layouts import MUON, QWEN3_MOE, ep
+from scripts.parity_layouts import DEEPSEEK_V3, MUON, QWEN3_MOE_MUON, ep
 from torchtitan.checkpoint.load import read_model_weights
 
-MOE = [*QWEN3_MOE, "--moe.bias_update_rate", "0.01", "--validation.enable", "false", *MUON]
-STEPS = ["--training.steps", "8", "--checkpoint.enable_checkpoint", "true", *MOE]
+# DEEPSEEK_V3 turns the routing bias on (moe.bias_update_rate) next to the auxiliary loss.
+MOE = [*DEEPSEEK_V3, "--validation.enable", "false", *MUON]
+MOE_LAYERS = (1, 2)  # the debug model's first layer is dense
+CHECKPOINTS = ["--checkpoint.enable_checkpoint", "true"]
+STEPS = ["--training.steps", "8", *CHECKPOINTS, *MOE]
 EP2 = [*ep(2), "--training.batch_size", "2", "--checkpoint.interval", "2"]
 ONE = ["--training.batch_size", "4", "--checkpoint.interval", "4"]
 ASYNC = ["--checkpoint.async_mode", "async"]
@@ -25,10 +37,10 @@ def check(result):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
-def biases(step_dir) -> dict[str, torch.Tensor]:
+def biases(step_dir, layers=MOE_LAYERS) -> dict[str, torch.Tensor]:
     weights = read_model_weights(str(step_dir))
     found = {name: w for name, w in weights.items() if name.endswith("expert_bias")}
-    assert sorted(found) == [f"layers.{i}.feed_forward.expert_bias" for i in (1, 2, 3)]
+    assert sorted(found) == [f"layers.{i}.feed_forward.expert_bias" for i in layers]
     return found
 
 
@@ -43,7 +55,7 @@ def assert_close(resumed: dict, straight: dict) -> None:
             assert abs(metrics[key] - straight[step][key]) < 1e-5, (step, key, metrics, straight[step])
 
 
-def test_moe_resumes_across_expert_parallel_layouts_and_after_sigkill(tmp_path):
+def test_deepseek_v3_resumes_across_expert_parallel_layouts_and_after_sigkill(tmp_path):
     single, ep2, killed, back = (tmp_path / name for name in ("single", "ep2", "killed", "back"))
     check(run_train(1, single, *STEPS, *ONE))
     straight = {m["step"]: m for m in read_metrics(single)}
@@ -78,3 +90,25 @@ def test_moe_resumes_across_expert_parallel_layouts_and_after_sigkill(tmp_path):
     copy_step(ep2, 6, back)
     check(run_train(1, back, *STEPS, *ONE))
     assert_close({m["step"]: m for m in read_metrics(back)}, straight)
+
+
+def test_qwen3_moe_ep2_checkpoint_resumes_on_one_process(tmp_path):
+    """Qwen3-MoE's own resume proof, kept cheap (the whole one above runs DeepSeek-V3): EP 2 (biases
+    and auxiliary loss on, Muon) saves step 4 and runs on to step 6; one process resumes its step-4
+    checkpoint, the experts each rank held gathered into one, and steps 5 and 6 match EP 2's within 1e-5
+    (EP 2 equals one process: test_parity.py)."""
+    ep2, back = tmp_path / "ep2", tmp_path / "back"
+    qwen3_moe = ["--training.steps", "6", *CHECKPOINTS, "--checkpoint.interval", "4", *QWEN3_MOE_MUON]
+    qwen3_moe += ["--validation.enable", "false"]
+    check(run_train(2, ep2, *qwen3_moe, *ep(2), "--training.batch_size", "2"))
+    straight = {m["step"]: m for m in read_metrics(ep2)}
+    assert sorted(straight) == list(range(1, 7))
+    assert all(b.abs().sum() > 0 for b in biases(ep2 / "checkpoint" / "step-4", (1, 2, 3)).values())
+
+    copy_step(ep2, 4, back)
+    result = run_train(1, back, *qwen3_moe, "--training.batch_size", "4")
+    check(result)
+    assert "Resumed from step 4" in result.stdout
+    resumed = {m["step"]: m for m in read_metrics(back)}
+    assert sorted(resumed) == [5, 6]
+    assert_close(resumed, straight)
