@@ -37,7 +37,8 @@ def run(kind: str, argv: list[str], ngpu: int = 1) -> subprocess.CompletedProces
 
 def rows(stdout: str, columns: int) -> list[list[float]]:
     """The last `columns` numbers of each table row."""
-    lines = [line.split() for line in stdout.splitlines() if line.startswith(("llama3", "qwen3"))]
+    families = ("llama3", "qwen3", "deepseek_v3")  # qwen3 starts qwen3_moe's rows too
+    lines = [line.split() for line in stdout.splitlines() if line.startswith(families)]
     return [[float(x) for x in words[-columns:]] for words in lines]
 
 
@@ -69,6 +70,7 @@ def measure(nproc: int, *args: str) -> list[float]:
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 ZBV = [*PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
+DEEPSEEK_V3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
 EIGHT_MICROBATCHES = ["--training.batch_size", "8", "--parallelism.pipeline_parallel_microbatches", "8"]
 
 
@@ -88,15 +90,18 @@ def test_torch_internals_the_estimator_relies_on_are_there():
         # checks against the whole step's: composed from 2 of the 8 micro-batches.
         (2, [*ZBV, *EIGHT_MICROBATCHES]),
         (2, [*CP2, "--training.seq_len", "1024", "--training.batch_size", "1"]),
+        (2, [*DEEPSEEK_V3, "--parallelism.expert_parallel_degree", "2"]),
     ],
-    ids=["one_process", "fsdp2", "tp2_llama3_vocab", "pp2_zbv", "cp2"],
+    ids=["one_process", "fsdp2", "tp2_llama3_vocab", "pp2_zbv", "cp2", "deepseek_v3_ep2"],
 )
 def test_estimate_is_within_10_percent_of_the_measured_peak(nproc, layout):
     """Pipeline ranks hold different stages and micro-batches: each has its own row. ZBV splits
     backward into input and weight passes, and puts the first and last stages on rank 0. With
     Llama 3's vocabulary the loss-parallel logits weigh most (DTensor works out their global
     shapes on fake tensors: no memory in a real run). Under CP 2 each rank runs 512 of a sequence's
-    1024 tokens and gathers the keys and values of all 1024."""
+    1024 tokens and gathers the keys and values of all 1024. DeepSeek-V3's debug model at EP 2 (each
+    rank 4 of the 8 experts of its 2 sparse layers, the rest FSDP-sharded over both ranks) weighs MLA's
+    latent and per-head projections, the shared expert and the rows each rank's experts receive."""
     estimates = estimate(nproc, *layout)
     for params, grads, optimizer, activations, peak in estimates:
         assert abs(params + grads + optimizer + activations - peak) < 0.005
