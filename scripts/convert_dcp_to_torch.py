@@ -10,6 +10,7 @@ anywhere.
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,16 +19,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere, uninstalled
 
-from torchtitan.checkpoint.folder import check_checkpoint  # noqa: E402
+from torchtitan.checkpoint.folder import check_checkpoint, check_output_file_is_new  # noqa: E402
 from torchtitan.checkpoint.safe_reader import SafeReader, read_checkpoint  # noqa: E402
 from torchtitan.config.paths import check_output_file  # noqa: E402
 from torchtitan.errors import run_with_exit_codes  # noqa: E402
 
 
-def convert(checkpoint: str, output: str) -> None:
-    """Save the checkpoint's items nested as they were saved ({"model": {"norm.weight": ...}, ...})."""
+def convert(checkpoint: str, output: str, overwrite: bool = False) -> None:
+    """Save the checkpoint's items nested as they were saved ({"model": {"norm.weight": ...}, ...}),
+    into a file renamed to `output` once whole (a failed write leaves an existing one as it was)."""
     check_checkpoint("checkpoint", checkpoint)
     check_output_file("output", output)
+    check_output_file_is_new("output", output, overwrite)
     paths = SafeReader(checkpoint).read_metadata().planner_data  # flattened key -> path in the nesting
     state: dict[str, Any] = {}
     for key, value in read_checkpoint(checkpoint).items():
@@ -36,7 +39,13 @@ def convert(checkpoint: str, output: str) -> None:
         for parent in parents:
             node = node.setdefault(parent, {})
         node[leaf] = value
-    torch.save(state, output)
+    partial = f"{output}.tmp-{os.getpid()}"
+    try:
+        torch.save(state, partial)
+        os.replace(partial, output)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,8 +59,9 @@ def run(argv: list[str] | None) -> int:
     )
     parser.add_argument("checkpoint", help="DCP checkpoint folder, e.g. outputs/checkpoint/step-100")
     parser.add_argument("output", help="file to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     args = parser.parse_args(argv)
-    convert(args.checkpoint, args.output)
+    convert(args.checkpoint, args.output, args.overwrite)
     print(f"wrote {args.output}")
     return 0
 

@@ -322,8 +322,8 @@ def test_hf_to_dcp_names_what_it_skips(tmp_path, capsys):
 
 
 def test_converters_never_write_over_a_users_files(tmp_path, capsys):
-    """An existing Hugging Face folder is refused as output unless --overwrite, which replaces it whole
-    (no stale shard left beside the new weights); a run's step-N is never written into."""
+    """An existing Hugging Face folder (or torch file) is refused as output unless --overwrite, which
+    replaces it whole (no stale shard left beside the new weights); a run's step-N is never written into."""
     hf, _ = sharded_hf_folder(tmp_path)
     args = ModelArgs(dim=256, n_layers=6, n_heads=16, rope_theta=500000, vocab_size=40)
     tokenizer = str(ROOT / "assets" / "tokenizer" / "kjv_bpe.tiktoken")
@@ -341,11 +341,20 @@ def test_converters_never_write_over_a_users_files(tmp_path, capsys):
         (convert_hf_to_dcp.main, [str(hf), str(step / "hf")], f"is inside {step}, a run's checkpoint"),
         (convert_dcp_to_hf.main, [str(step), str(tmp_path), "--overwrite"], "holds the input"),
     ]
+    saved = tmp_path / "step-3.pt"
+    saved.write_bytes(b"a user's file")
+    refusals += [
+        (convert_dcp_to_torch.main, [str(step), str(saved)], "exists; give a new file, or pass --overwrite"),
+        (convert_dcp_to_torch.main, [str(step), str(step / "x.pt"), "--overwrite"], "is inside"),
+    ]
     for main, argv, message in refusals:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("error: output: ") and err.count("\n") == 1 and message in err, (argv, err)
         assert {folder: folder_bytes(folder) for folder in (hf, step)} == before
+        assert saved.read_bytes() == b"a user's file"
+    assert convert_dcp_to_torch.main([str(step), str(saved), "--overwrite"]) == 0
+    assert torch.load(saved, weights_only=True)["model"].keys() == state["model"].keys()
 
     assert convert_dcp_to_hf.main([str(step), str(hf), "--overwrite"]) == 0
     exported = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]

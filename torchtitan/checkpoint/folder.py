@@ -85,16 +85,7 @@ def check_output_folder(option: str, output: str, overwrite: bool, inputs: list[
     stale shard or index left beside new weights would be loaded with them)."""
     check_writable_folder(option, output)
     real = os.path.realpath(output)
-    folder = real
-    while True:
-        if is_run_checkpoint(folder):
-            where = "" if folder == real else f"inside {shown(folder)}, "
-            raise ConfigError(
-                f"{option}: {shown(output)} is {where}a run's checkpoint (.metadata and {CHECKSUMS}), "
-                "which a converter never writes into; give a new folder"
-            )
-        if folder == (folder := os.path.dirname(folder)):
-            break
+    check_outside_run_checkpoints(option, output, real)
     for source in inputs:
         if os.path.commonpath([real, os.path.realpath(source)]) == real:
             raise ConfigError(f"{option}: {shown(output)} holds the input {shown(source)}; give a new folder")
@@ -104,6 +95,29 @@ def check_output_folder(option: str, output: str, overwrite: bool, inputs: list[
         raise ConfigError(
             f"{option}: {shown(output)} already holds files ({', '.join(held[:3])}{more}); give a new or "
             "empty folder, or pass --overwrite to replace it"
+        )
+
+
+def check_outside_run_checkpoints(option: str, output: str, path: str) -> None:
+    """`path` (where `output` writes) is no run's step-N nor inside one: a converter never writes there."""
+    folder = os.path.realpath(path)
+    while True:
+        if is_run_checkpoint(folder):
+            where = "" if folder == os.path.realpath(output) else f"inside {shown(folder)}, "
+            raise ConfigError(
+                f"{option}: {shown(output)} is {where}a run's checkpoint (.metadata and {CHECKSUMS}), "
+                "which a converter never writes into; give a new folder"
+            )
+        if folder == (folder := os.path.dirname(folder)):
+            return
+
+
+def check_output_file_is_new(option: str, output: str, overwrite: bool) -> None:
+    """A converter's output file: never in a run's checkpoint, and an existing one only with `overwrite`."""
+    check_outside_run_checkpoints(option, output, os.path.dirname(os.path.abspath(output)))
+    if os.path.lexists(output) and not overwrite:
+        raise ConfigError(
+            f"{option}: {shown(output)} exists; give a new file, or pass --overwrite to replace it"
         )
 
 
