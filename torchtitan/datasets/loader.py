@@ -22,6 +22,7 @@ import os
 import re
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event
@@ -71,20 +72,43 @@ def _expire(signum: int, frame: Any) -> None:
 def worker_failures_in_one_line() -> Iterator[None]:
     """torch reports a dead worker by a RuntimeError raised wherever the trainer's main thread is (its
     SIGCHLD handler runs there), not only while a batch is awaited: inside this context it becomes a
-    DataLoaderError naming the worker and how it died."""
+    DataLoaderError naming the worker and how it died. A worker killed after queueing a batch, before the
+    trainer fetched the batch's tensors from it (shared by file descriptor, through the worker's own
+    socket), fails the fetch with a broken connection instead, which torch lets through when the worker
+    is not yet seen dead: that also becomes the worker's DataLoaderError."""
     try:
         yield
     except RuntimeError as e:
         match = _DEAD_WORKER.search(str(e))
         if match is None or int(match[1]) not in _workers:
             raise
-        pid = int(match[1])
-        index, process = _workers[pid]
-        code = process.exitcode  # torch leaves it unreaped, or has reaped it through `process`
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        raise DataLoaderError(
-            f"data loading worker {index} (pid {pid}) {how}; launch again to resume from the last checkpoint"
-        ) from e
+        raise _worker_died(int(match[1])) from e
+    except (ConnectionError, EOFError) as e:
+        pid = _dead_worker()
+        if pid is None:
+            raise
+        raise _worker_died(pid) from e
+
+
+def _dead_worker(wait: float = 1.0) -> int | None:
+    """The pid of a worker of this process that failed, seen within `wait` seconds: its socket closes as
+    it dies, a moment before its exit code is there to read."""
+    deadline = time.monotonic() + wait
+    while True:
+        # torch leaves a dead worker unreaped, or has reaped it through the process object.
+        failed = [pid for pid, (_, process) in _workers.items() if process.exitcode not in (None, 0)]
+        if failed or time.monotonic() > deadline:
+            return failed[0] if failed else None
+        time.sleep(0.01)
+
+
+def _worker_died(pid: int) -> DataLoaderError:
+    index, process = _workers[pid]
+    code = process.exitcode
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    return DataLoaderError(
+        f"data loading worker {index} (pid {pid}) {how}; launch again to resume from the last checkpoint"
+    )
 
 
 def _init_worker(trainer_pid: int, trainer_exiting: Event, worker_id: int) -> None:
