@@ -83,7 +83,15 @@ def main(job_config: JobConfig) -> int:
     if spec.moe:
         load_balance = LoadBalance(model_parts, job_config.moe, meshes.dp, meshes.pp, meshes.tp)
     train_step = TrainStep(
-        model_parts, pipeline, parallel_dims, training, device, load_balance, meshes.cp, meshes.dp
+        model_parts,
+        pipeline,
+        parallel_dims,
+        training,
+        device,
+        load_balance,
+        meshes.cp,
+        meshes.dp,
+        job_config.model.mtp_loss_weight,
     )
     # This rank's rows of each global batch, in the step's micro-batches (gradient accumulation).
     layout = BatchLayout(training.batch_size, dp_degree, dp_rank, train_step.grad_accum_steps)
@@ -146,6 +154,7 @@ def main(job_config: JobConfig) -> int:
                     precompute_float8_scales(model_parts)
             lr_scheduler.step()
             moe_metrics = load_balance.step_done() if load_balance is not None else {}
+            mtp_metrics = train_step.mtp_metrics(meshes)  # multi-token prediction's loss per depth
             metric_logger.step_done()
 
             if metric_logger.should_log(step):
@@ -157,7 +166,7 @@ def main(job_config: JobConfig) -> int:
                     lr,
                     nonfinite.skipped,
                     data_loader.tokens_by_source(),
-                    {name: value.item() for name, value in moe_metrics.items()},
+                    {name: value.item() for name, value in {**moe_metrics, **mtp_metrics}.items()},
                     train_step.trained_tokens,
                 )
                 nonfinite.check(step, loss_value)

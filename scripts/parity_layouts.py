@@ -146,6 +146,9 @@ DEEPSEEK_V3 = (
     *BLOCK_CAUSAL,
 )
 DEEPSEEK_V3_PLAIN_Q = (*DEEPSEEK_V3, "--model.flavor", "debugmodel_plain_q")
+# DeepSeek-V3 with one multi-token prediction depth (docs/objectives.md): its loss per depth (mtp_loss_1) is
+# compared too; the depth's block is a mixture of experts.
+DEEPSEEK_V3_MTP = (*DEEPSEEK_V3, "--model.mtp_layers", "1")
 
 MATRIX = [
     Layout("FSDP 2", 2, 2, 4),
@@ -289,6 +292,22 @@ MATRIX = [
     Layout("DeepSeek-V3, block_causal: PP 2, 1F1B", 2, 4, 4, pp(2), DEEPSEEK_V3, reference_microbatch=2),
     Layout("DeepSeek-V3, block_causal: HSDP 2x2 + AC full", 4, 1, 4, replicate(2) + AC_FULL, DEEPSEEK_V3),
     Layout("DeepSeek-V3, block_causal: compile + AC selective op", 1, 4, 4, COMPILE + AC_OP, DEEPSEEK_V3),
+    Layout("DeepSeek-V3 MTP: FSDP 2", 2, 2, 4, model=DEEPSEEK_V3_MTP),
+    Layout("DeepSeek-V3 MTP: EP 2", 2, 2, 4, ep(2), DEEPSEEK_V3_MTP),
+    Layout("DeepSeek-V3 MTP: FSDP 2 x TP 2", 4, 2, 4, tp(2), DEEPSEEK_V3_MTP),
+    Layout("DeepSeek-V3 MTP: FSDP 2 + GA 2 + chunked loss", 2, 1, 4, CHUNKED_LOSS, DEEPSEEK_V3_MTP),
+    Layout("DeepSeek-V3 MTP: PP 2, 1F1B", 2, 4, 4, pp(2), DEEPSEEK_V3_MTP, reference_microbatch=2),
+    Layout("DeepSeek-V3 MTP: PP 2, GPipe", 2, 4, 4, pp(2, "GPipe"), DEEPSEEK_V3_MTP, reference_microbatch=2),
+    Layout(
+        "DeepSeek-V3 MTP: PP 2, 1F1B + chunked loss",
+        2,
+        4,
+        4,
+        pp(2) + CHUNKED_LOSS,
+        DEEPSEEK_V3_MTP,
+        reference_microbatch=2,
+    ),
+    Layout("DeepSeek-V3 MTP: compile + AC selective op", 1, 4, 4, COMPILE + AC_OP, DEEPSEEK_V3_MTP),
     # Muon: each rank gathers the matrices it holds a shard or slice of (docs/optimizers.md).
     Layout("Muon: FSDP 2", 2, 2, 4, model=MUON),
     Layout("Muon: TP 2", 2, 4, 4, tp(2), MUON),

@@ -11,7 +11,8 @@ Usage: python scripts/parity_matrix.py [--only SUBSTRING ...] [--steps 10] [--to
        python scripts/parity_matrix.py --dtype bfloat16 [--only SUBSTRING ...] [--bound 1.5]
 
 Prints a table of the largest |loss - reference| and |grad_norm - reference| per layout (and, for
-mixture-of-experts models, of the auxiliary loss and the expert load) and exits
+mixture-of-experts models, of the auxiliary loss and the expert load; with multi-token prediction, of
+its loss per depth) and exits
 non-zero if any layout fails or differs by more than the tolerance. The full matrix takes about 10
 minutes on 2 CPU cores (4-process layouts and the cold torch.compile are the slow ones).
 
@@ -120,7 +121,9 @@ def run_layout(layout: Layout, folder: Path, steps: int, reference: list[dict]) 
     result.max_loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(reference, metrics))
     result.max_grad_norm_diff = max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(reference, metrics))
     result.step1_loss_diff = abs(reference[0]["loss"] - metrics[0]["loss"])
-    for key in ("aux_loss", "expert_load"):
+    # Multi-token prediction's loss per depth (mtp_loss_1, ...) is compared with the experts' metrics.
+    mtp_keys = sorted({key for record in reference for key in record if key.startswith("mtp_loss_")})
+    for key in ("aux_loss", "expert_load", *mtp_keys):
         if any((key in a) != (key in b) for a, b in zip(reference, metrics)):
             result.error = f"{key} is logged by one run and not the other"
             return result

@@ -543,6 +543,22 @@ CASES = [
         env={"WORLD_SIZE": "2"},
     ),
     Case(
+        "MTP on a family without it",
+        args("--model.mtp_layers", "1"),
+        "model.mtp_layers: llama3 has no multi-token prediction; use 0, or a model.name that has it "
+        "(deepseek_v3)",
+    ),
+    Case(
+        "negative MTP depths",
+        args("--model.name", "deepseek_v3", "--model.mtp_layers", "-1"),
+        "model.mtp_layers: -1 is below the minimum 0",
+    ),
+    Case(
+        "negative MTP loss weight",
+        args("--model.name", "deepseek_v3", "--model.mtp_layers", "1", "--model.mtp_loss_weight", "-0.1"),
+        "model.mtp_loss_weight: -0.1 is below the minimum 0.0",
+    ),
+    Case(
         "EP not dividing the experts",
         args("--model.name", "qwen3_moe", "--parallelism.expert_parallel_degree", "3"),
         "parallelism.expert_parallel_degree: 3 does not divide the 8 experts of qwen3_moe debugmodel",

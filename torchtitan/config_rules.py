@@ -17,7 +17,7 @@ from torchtitan.config.options import (
 )
 from torchtitan.config.paths import resolve_path
 from torchtitan.errors import torchao_missing
-from torchtitan.models import flavor_args, model_spec
+from torchtitan.models import MODEL_SPECS, flavor_args, model_spec
 from torchtitan.models.spec import ModelArgs
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.pipeline_layout import (
@@ -99,6 +99,23 @@ def check_context_parallel(job_config: JobConfig, parallel_dims: ParallelDims) -
         raise ConfigError(
             f"parallelism.context_parallel_degree: {job_config.model.name} is a mixture of experts, which "
             "context parallelism does not split yet; use context_parallel_degree 1 or a dense model"
+        )
+
+
+def check_mtp(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
+    """Multi-token prediction needs a family that has it (its spec's `mtp`), and context parallelism does
+    not yet run its depths' attention."""
+    model = job_config.model
+    if model.mtp_layers and not model_spec(model).mtp:
+        families = ", ".join(name for name, spec in MODEL_SPECS.items() if spec.mtp)
+        raise ConfigError(
+            f"model.mtp_layers: {model.name} has no multi-token prediction; use 0, or a model.name that "
+            f"has it ({families})"
+        )
+    if model.mtp_layers and parallel_dims.cp_enabled:
+        raise ConfigError(
+            "model.mtp_layers: multi-token prediction does not run under context parallelism yet; use "
+            "mtp_layers 0 or context_parallel_degree 1"
         )
 
 
@@ -433,6 +450,7 @@ def check_layout(
     check_moe(job_config, parallel_dims, model_args)
     check_routing_and_latents(job_config, model_args)
     check_context_parallel(job_config, parallel_dims)
+    check_mtp(job_config, parallel_dims)
     if parallel_dims.pp_enabled:
         check_tied_pipeline(job_config, model_args)
         check_pipeline(job_config, model_args.n_layers)

@@ -178,7 +178,8 @@ class MetricLogger:
     ) -> None:
         """Log the window that ends at `step`; `skipped_steps` counts the steps so far whose
         non-finite gradients were dropped; `source_tokens`: a mixture's tokens per source so far; `moe`:
-        a mixture-of-experts model's `expert_load` and `aux_loss` of the step (torchtitan/load_balance.py);
+        a mixture-of-experts model's `expert_load` and `aux_loss` of the step (torchtitan/load_balance.py),
+        and multi-token prediction's `mtp_loss_k` per depth (train_step.py);
         `trained_tokens`: chat data's tokens with a target in the step's global batch (tps counts all)."""
         now = time.perf_counter()
         step_time, steps = now - self._window_start, max(self._window_steps, 1)
@@ -225,6 +226,7 @@ class MetricLogger:
             f"{c.yellow}grad_norm: {record['grad_norm']:7.4f}  "
             + (f"aux_loss: {record['aux_loss']:.4f}  " if "aux_loss" in record else "")
             + (f"expert_load: {record['expert_load']:.2f}  " if "expert_load" in record else "")
+            + "".join(f"{key}: {value:.4f}  " for key, value in record.items() if key.startswith("mtp_loss_"))
             + f"{c.gray}lr: {record['lr']:.2e}  "
             f"{c.blue}tps: {record['tps']:,.0f}  "
             + (f"trained_tokens: {record['trained_tokens']:,}  " if "trained_tokens" in record else "")

@@ -19,6 +19,7 @@ from torchtitan.config_rules import gradient_accumulation_steps
 from torchtitan.datasets.layout import IGNORE_INDEX, Batch
 from torchtitan.load_balance import LoadBalance
 from torchtitan.models.documents import documents_from_positions, find_documents
+from torchtitan.models.mtp import mtp_targets
 from torchtitan.parallelisms.context_parallel import sequence_layouts, shard_sequence
 from torchtitan.parallelisms.distributed import dist_sum
 from torchtitan.parallelisms.float8 import convert_to_float8
@@ -102,6 +103,7 @@ class TrainStep:
         load_balance: LoadBalance | None = None,
         cp_mesh: DeviceMesh | None = None,
         dp_mesh: DeviceMesh | None = None,
+        mtp_loss_weight: float = 0.0,
     ) -> None:
         self.model_parts = model_parts
         self.dp_mesh = dp_mesh
@@ -128,6 +130,13 @@ class TrainStep:
             )
         self.device = device
         self.grad_accum_steps = gradient_accumulation_steps(training_config, parallel_dims)
+        # Multi-token prediction (torchtitan/models/mtp.py): its depths' targets, counted over the step.
+        self.mtp_depths = getattr(model_args, "mtp_layers", 0)
+        self.mtp_loss_weight = mtp_loss_weight
+        self.mtp_denominators: torch.Tensor | None = None
+        self.mtp_sums = torch.zeros(self.mtp_depths, device=device)  # the step's loss per depth so far
+        if pipeline is not None:
+            pipeline.mtp_loss = self.mtp_loss
         self.autocast = autocast_context(training_config, device)
         # Loss parallel: the cross entropy (forward and backward) on vocabulary-sharded logits.
         self.loss_context = loss_parallel if parallel_dims.loss_parallel_enabled else contextlib.nullcontext
@@ -151,9 +160,13 @@ class TrainStep:
         the last stage (sum it over the pipeline)."""
         microbatches = microbatches or self.grad_accum_steps
         taken = [next(batches)]
-        if len(taken[0]) > 2:  # chat data: the step's trained tokens are counted first
+        # Chat data, multi-token prediction: the step's trained tokens (targets) are counted first.
+        if len(taken[0]) > 2 or self.mtp_depths:
             taken += [next(batches) for _ in range(microbatches - 1)]
+        if len(taken[0]) > 2:
             self._count_trained_tokens(taken)
+        if self.mtp_depths:
+            self._count_mtp_targets(taken)
         losses = []
         for microbatch in range(microbatches):
             batch = taken[microbatch] if microbatch < len(taken) else next(batches)
@@ -179,21 +192,93 @@ class TrainStep:
         ranks = self.dp_mesh.size() if self.dp_mesh is not None else 1
         self.loss_denominator = count.clamp(min=1) / (len(step) * ranks)
 
-    def _on_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def _count_mtp_targets(self, step: list[Batch]) -> None:
+        """The MTP targets of each depth in the global batch (`step`: this rank's micro-batches), N_k,
+        and what each depth's summed loss is divided by: N_k over the micro-batches (and a pipeline's)
+        and the ranks whose gradients are averaged (dp x cp), so that the averaged gradients are those
+        of the mean over the global batch's targets, whatever the layout."""
+        local = torch.zeros(self.mtp_depths)
+        for batch in step:
+            inputs, labels = batch[0], batch[1]
+            _, targets = mtp_targets(inputs, labels, self._document_ids(batch), self.mtp_depths)
+            local += (targets != IGNORE_INDEX).sum((0, 1))
+        counts = local.to(self.device)
+        if self.dp_mesh is not None:
+            counts = dist_sum(counts, self.dp_mesh)
+        ranks = (self.dp_mesh.size() if self.dp_mesh is not None else 1) * (
+            self.cp_mesh.size() if self.cp_mesh is not None else 1
+        )
+        pipeline_microbatches = self.pipeline.schedule._n_microbatches if self.pipeline is not None else 1
+        self.mtp_scale = len(step) * ranks * pipeline_microbatches
+        self.mtp_denominators = counts.clamp(min=1) / self.mtp_scale
+
+    def mtp_loss(
+        self, model: nn.Module, outputs: tuple[torch.Tensor, ...], labels: torch.Tensor
+    ) -> torch.Tensor:
+        """The weighted MTP loss of a (pipeline) micro-batch, lambda / D x the sum over the depths of
+        each one's summed cross entropy divided by its denominator (`_count_mtp_targets`): `outputs`,
+        each depth's logits (or normed hidden states, for the chunked loss); `labels` (bs, seqlen, D).
+        Adds the depths' losses to the step's metrics."""
+        terms = []
+        for depth, output in enumerate(outputs):
+            target, denominator = labels[..., depth], self.mtp_denominators[depth]
+            if self.loss_chunk_tokens:
+                with self.autocast:
+                    weight = model.output.weight
+                    term = self.chunked_loss(output, weight, target, self.loss_chunk_tokens, denominator)
+            else:
+                term = self.loss_fn(output, target, denominator)
+            terms.append(term.to_local() if isinstance(term, DTensor) else term)
+        terms = torch.stack(terms)
+        self.mtp_sums += terms.detach() / self.mtp_scale
+        return self.mtp_loss_weight / self.mtp_depths * terms.sum()
+
+    def mtp_metrics(self, meshes: Any) -> dict[str, torch.Tensor]:
+        """The step's loss per MTP depth, the mean over the global batch's targets (`mtp_loss_k`; summed
+        over the ranks whose tokens differ, and the pipeline, whose last stage holds it); restarts the
+        count. Empty without MTP."""
+        sums, self.mtp_sums = self.mtp_sums, torch.zeros_like(self.mtp_sums)
+        if not self.mtp_depths:
+            return {}
+        for mesh in (meshes.dp_cp, meshes.pp):
+            if mesh is not None:
+                sums = dist_sum(sums, mesh)
+        return {f"mtp_loss_{depth + 1}": value for depth, value in enumerate(sums)}
+
+    def _document_ids(self, batch: Batch) -> torch.Tensor | None:
+        """block_causal's documents of a host batch: from chat data's positions, else from the tokens."""
+        inputs, _, *positions = batch
+        if positions:
+            return documents_from_positions(positions[0])
+        return self.find_documents(inputs) if self.find_documents else None
+
+    def _on_device(
+        self, batch: Batch, mtp: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """The batch on the device and the model's keyword arguments for it (block_causal's documents,
         found on the host: from chat data's positions, else from the tokens); under context parallelism,
-        this rank's tokens of it."""
-        inputs, labels, *positions = batch
-        model_kwargs, ids = {}, None
-        if positions:
-            ids = documents_from_positions(positions[0])
-        elif self.find_documents:
-            ids = self.find_documents(inputs)
+        this rank's tokens of it. With MTP (and `mtp`), the depths' input tokens (`mtp_tokens`, bs x
+        seqlen x D) and the labels as (bs, seqlen, 1 + D): the next tokens', then each depth's targets,
+        shifted here on whole sequences (a rank's last tokens need the next rank's first ones)."""
+        inputs, labels = batch[0], batch[1]
+        model_kwargs, ids, mtp_tokens = {}, self._document_ids(batch), None
         if ids is not None:
             model_kwargs["document_ids"] = self._copy_to_device(ids)
+        if self.mtp_depths and mtp:
+            mtp_tokens, mtp_labels = mtp_targets(inputs, labels, ids, self.mtp_depths)
+            labels = torch.cat([labels.unsqueeze(-1), mtp_labels], dim=-1)
         if self.cp_mesh is not None:
             layouts = sequence_layouts(inputs.shape[1], self.cp_mesh.size(), ids)
-            inputs, labels = (shard_sequence(t, self.cp_mesh, layouts) for t in (inputs, labels))
+
+            def shard(t: torch.Tensor) -> torch.Tensor:
+                if t.ndim == 3:  # each depth's column as a sequence of its own
+                    return torch.stack([shard(column) for column in t.unbind(-1)], dim=-1)
+                return shard_sequence(t, self.cp_mesh, layouts)
+
+            inputs, labels = shard(inputs), shard(labels)
+            mtp_tokens = shard(mtp_tokens) if mtp_tokens is not None else None
+        if mtp_tokens is not None:
+            model_kwargs["mtp_tokens"] = self._copy_to_device(mtp_tokens)
         return self._copy_to_device(inputs), self._copy_to_device(labels), model_kwargs
 
     def _copy_to_device(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -206,25 +291,40 @@ class TrainStep:
     def _model_forward_backward(
         self, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict, microbatches: int
     ) -> torch.Tensor:
-        loss = self._model_loss(inputs, labels, model_kwargs)
+        loss, mtp_loss = self._model_losses(inputs, labels, model_kwargs)
         objective = loss
-        if self.aux_loss_coef:
+        if self.aux_loss_coef or mtp_loss is not None:
             # Under loss parallel the loss is a replicated DTensor; the auxiliary loss is this rank's.
-            local_loss = loss.to_local() if isinstance(loss, DTensor) else loss
-            objective = local_loss + self.aux_loss_coef * self.load_balance.aux_loss()
+            objective = loss.to_local() if isinstance(loss, DTensor) else loss
+        if self.aux_loss_coef:
+            objective = objective + self.aux_loss_coef * self.load_balance.aux_loss()
+        if mtp_loss is not None:
+            objective = objective + mtp_loss
         (objective / microbatches).backward()
         return loss
 
-    def _model_loss(self, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
+    def _model_losses(
+        self, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The language model's loss and, with `mtp_tokens` in `model_kwargs`, the weighted MTP loss. The
+        chunked loss projects under autocast (chunked_loss.py); the logits' loss is taken outside it."""
         model = self.model_parts[0]
         with self.autocast:
-            if self.loss_chunk_tokens:
-                hidden = model(inputs, skip_output=True, **model_kwargs)
-                return self.chunked_loss(
-                    hidden, model.output.weight, labels, self.loss_chunk_tokens, self.loss_denominator
+            output = model(inputs, skip_output=bool(self.loss_chunk_tokens), **model_kwargs)
+        mtp_loss = None
+        if isinstance(output, tuple):  # multi-token prediction: the main output, then each depth's
+            mtp_loss = self.mtp_loss(model, output[1:], labels[..., 1:])
+            output, labels = output[0], labels[..., 0]
+        if self.loss_chunk_tokens:
+            with self.autocast:
+                loss = self.chunked_loss(
+                    output, model.output.weight, labels, self.loss_chunk_tokens, self.loss_denominator
                 )
-            logits = model(inputs, **model_kwargs)
-        return self.loss_fn(logits, labels, self.loss_denominator)
+            return loss, mtp_loss
+        return self.loss_fn(output, labels, self.loss_denominator), mtp_loss
+
+    def _model_loss(self, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
+        return self._model_losses(inputs, labels, model_kwargs)[0]
 
     def _pipeline_loss(
         self, run: Callable[..., Any], inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict
@@ -257,7 +357,8 @@ class TrainStep:
         losses = []
         for batch in batches:
             with self.loss_context():
-                losses.append(self._forward_loss(*self._on_device(batch)))
+                # A pipeline's stages pass the depths' embeddings on in every schedule, eval's too.
+                losses.append(self._forward_loss(*self._on_device(batch, mtp=self.pipeline is not None)))
         for part, mode in zip(self.model_parts, modes):
             part.train(mode)
         return torch.stack(losses).sum(), len(losses)

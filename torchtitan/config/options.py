@@ -2,25 +2,13 @@
 parser, the command-line overrides, `--help` and validation (torchtitan/config/parser.py).
 """
 
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from torchtitan.config.chat_options import ChatConfig
+from torchtitan.config.declare import ConfigError, default_of, opt
 
-class ConfigError(ValueError):
-    """A bad option, file or value; the message names the option and the fix."""
-
-
-def opt(default: Any, help: str, choices: tuple | None = None, min: float | None = None) -> Any:
-    """Declare one option: its default, help text and the values it accepts (each item's, for a list)."""
-    metadata = {"help": help, "choices": choices, "min": min}
-    if isinstance(default, list):  # each config gets its own list
-        return field(default_factory=lambda: list(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def default_of(option: Field) -> Any:
-    """The declared default of an option."""
-    return option.default_factory() if option.default is MISSING else option.default
+__all__ = ["ChatConfig", "ConfigError", "JobConfig", "default_of", "opt"]
 
 
 @dataclass
@@ -62,6 +50,18 @@ class ModelConfig:
         "tokens of the same document: packed documents, each ending with EOS, attend within themselves, "
         "RoPE positions restarting at each; docs/attention.md)",
         choices=("causal", "block_causal"),
+    )
+    mtp_layers: int = opt(
+        0,
+        "Multi-token prediction depths D (0: off; DeepSeek-V3's is 1): depth k's block predicts the token "
+        "k+1 ahead, its loss added to the language model's (docs/objectives.md); families whose spec has mtp",
+        min=0,
+    )
+    mtp_loss_weight: float = opt(
+        0.3,
+        "lambda: the multi-token prediction loss's weight, times the mean of its depths' losses "
+        "(DeepSeek-V3: 0.3 for its first 10T tokens, 0.1 after)",
+        min=0.0,
     )
 
 
@@ -432,39 +432,6 @@ class Float8Config:
         ["output"],
         "Linear layers kept out of float8: a layer is skipped when one of these names is its fully "
         "qualified name or a dotted part of it (output, wq, attention.wq, layers.0)",
-    )
-
-
-@dataclass
-class ChatConfig:
-    enable: bool = opt(
-        False,
-        "Train on conversations (training.dataset or dataset_path): each rendered with the tokenizer's chat "
-        "template, trained on the tokens loss_on names, packed whole into windows as documents; needs "
-        "model.attn_mask_type block_causal and a Hugging Face tokenizer folder (docs/datasets.md)",
-    )
-    format: str = opt(
-        "auto",
-        "How a row holds its conversation: messages (role/content), sharegpt (conversations of from/value), "
-        "alpaca (instruction, input, output); auto: from the columns",
-        choices=("auto", "messages", "sharegpt", "alpaca"),
-    )
-    template_path: str | None = opt(
-        None,
-        "Jinja chat template file, used when the tokenizer has none (no chat_template.jinja beside its "
-        "tokenizer.json, no chat_template in its tokenizer_config.json)",
-    )
-    loss_on: str = opt(
-        "assistant",
-        "Tokens trained on: every assistant turn's (its end-of-turn token included), the last assistant "
-        "turn's, or all of the conversation's",
-        choices=("assistant", "last_assistant", "all"),
-    )
-    overflow: str = opt(
-        "truncate",
-        "A conversation longer than training.seq_len: truncate (keep its whole leading turns that fit) or "
-        "drop it (counted in the log)",
-        choices=("truncate", "drop"),
     )
 
 

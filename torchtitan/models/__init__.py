@@ -59,6 +59,7 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         flops_per_token=deepseek_flops_per_token,
         moe=True,
         hf_expert_bias=True,
+        mtp=True,
     ),
 }
 
@@ -124,6 +125,8 @@ def build_model_args(
     mask = job_config.model.attn_mask_type
     if mask == "block_causal" and eos_id is None:
         raise ConfigError("model.attn_mask_type: block_causal needs the tokenizer's EOS id; use causal")
+    # Multi-token prediction depths, for the families that have them (config_rules.check_mtp).
+    mtp = {"mtp_layers": job_config.model.mtp_layers} if model_spec(job_config.model).mtp else {}
     return replace(
         flavor_args(job_config.model),
         vocab_size=vocab_size(job_config, tokenizer_words),
@@ -131,4 +134,5 @@ def build_model_args(
         attn_mask_type=mask,
         eos_id=eos_id,
         bos_id=bos_id,
+        **mtp,
     )

@@ -82,6 +82,9 @@ class ModelSpec:
     # Hugging Face's model holds the routing bias (`expert_bias`: DeepSeek-V3's e_score_correction_bias),
     # so exports keep it; other families' have no place for it.
     hf_expert_bias: bool = False
+    # Multi-token prediction (model.mtp_layers): its model is an MTPTransformer (torchtitan/models/mtp.py)
+    # and its arguments have `mtp_layers`.
+    mtp: bool = False
 
     def build(self, model_args: ModelArgs) -> Any:
         """The family's model (an nn.Module) for `model_args`, on the current default device."""

@@ -19,6 +19,7 @@ from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from torchtitan.models.moe import MoE
+from torchtitan.models.mtp import block_slots
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -65,7 +66,7 @@ class ExpertParallel(ParallelStyle):
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     """Expert parallelism on every mixture-of-experts layer of `model` (a whole model or a stage)."""
-    for block in model.layers.values():
-        for module in block.modules():
+    for parent, name, _ in block_slots(model):  # multi-token prediction's blocks too
+        for module in parent.get_submodule(name).modules():
             if isinstance(module, MoE):
                 parallelize_module(module, ep_mesh, {"experts": ExpertParallel()})

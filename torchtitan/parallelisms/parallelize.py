@@ -29,6 +29,7 @@ from torchtitan.config.options import JobConfig, TrainingConfig
 from torchtitan.models import model_spec
 from torchtitan.models.llama.model import RMSNorm
 from torchtitan.models.moe import MoE
+from torchtitan.models.mtp import block_slots
 from torchtitan.parallelisms.context_parallel import apply_cp
 from torchtitan.parallelisms.distributed import device_type
 from torchtitan.parallelisms.expert_parallel import apply_ep
@@ -169,8 +170,14 @@ def apply_tp(
     if model.model_args.tie_word_embeddings and model.tok_embeddings is not None and model.output is not None:
         model.output.weight = model.tok_embeddings.weight  # both Shard(0): one DTensor
     styles = functools.partial(tp_styles, float8_tensorwise=float8_tensorwise)
-    for block in model.layers.values():
+    for parent, name, _ in block_slots(model):
+        block = parent.get_submodule(name)
         parallelize_module(block, tp_mesh, block_plan(block, styles))
+    for layer in model.mtp.values() if getattr(model, "mtp", None) is not None else []:
+        # Multi-token prediction's per-token parts run on this rank's tokens, as the final norm does.
+        local = SequenceParallel(use_local_output=True)
+        parallelize_module(layer, tp_mesh, {"enorm": local, "hnorm": local, "eh_proj": local})
+        parallelize_module(layer, tp_mesh, {"norm": SequenceParallel()})
     if async_tp:
         from torch._inductor import config as inductor_config
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
@@ -233,15 +240,17 @@ def apply_ac(model: nn.Module, mode: str, selective_ac_option: str) -> None:
     `selective` with "op" saves only the outputs of `_SAVE_LIST` ops, with an integer N checkpoints
     every N-th block (by layer id, so a pipeline split does not change which ones).
 
-    The wrapper adds `_checkpoint_wrapped_module.` to FQNs; init and DCP state dicts drop it."""
-    for layer_id, block in model.layers.named_children():
+    The wrapper adds `_checkpoint_wrapped_module.` to FQNs; init and DCP state dicts drop it. Multi-token
+    prediction's blocks count as layers n_layers + k - 1."""
+    for parent, name, layer_id in block_slots(model):
+        block = parent.get_submodule(name)
         if mode == "selective" and selective_ac_option == "op":
             wrapped = checkpoint_wrapper(block, context_fn=_op_context, preserve_rng_state=False)
         elif mode == "full" or (int(layer_id) + 1) % int(selective_ac_option) == 0:
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
         else:
             continue
-        model.layers.register_module(layer_id, wrapped)
+        parent.register_module(name, wrapped)
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool = True) -> None:
@@ -253,8 +262,10 @@ def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool =
     A mixture-of-experts layer counts its tokens in forward (a buffer update): activation
     checkpointing's recompute must not count them again, as in eager (moe._training_forward)."""
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
-    for layer_id, block in model.layers.named_children():
-        model.layers.register_module(layer_id, torch.compile(block, backend=backend, fullgraph=fullgraph))
+    for parent, name, _ in block_slots(model):
+        parent.register_module(
+            name, torch.compile(parent.get_submodule(name), backend=backend, fullgraph=fullgraph)
+        )
 
 
 def apply_fsdp(
@@ -287,8 +298,10 @@ def apply_fsdp(
     so gathering it again right away would be wasted communication (FSDP never reshards the root
     after forward by default, for the same reason; `keep_root_after_forward` makes that hold for any
     setting). A prefetch count N makes each block all-gather the next N blocks' parameters (the
-    previous N in backward) instead of FSDP's implicit one."""
+    previous N in backward) instead of FSDP's implicit one. Multi-token prediction's depths are units
+    after the blocks, each a depth whole (its norms and projection with its block)."""
     blocks = list(model.layers.values())
+    blocks += list(model.mtp.values()) if getattr(model, "mtp", None) is not None else []
     block_policy = mp_policy if norm_units or fp32_policy is None else fp32_policy
     layer_mesh, expert_mesh = moe_meshes
     for i, block in enumerate(blocks):
@@ -340,10 +353,10 @@ def apply_ddp(
 
 
 def fp32_units(module: nn.Module) -> list[nn.Module]:
-    """The modules of `module`, outside its `layers` (a model's blocks are units of their own), whose
+    """The modules of `module`, outside its `layers` and `mtp` (units of their own), whose
     weights mixed precision keeps in fp32: the norms, and the embeddings unless they are tied to the
     output layer (the root then keeps the table in fp32)."""
-    children = [child for name, child in module.named_children() if name != "layers"]
+    children = [child for name, child in module.named_children() if name not in ("layers", "mtp")]
     units = [m for child in children for m in child.modules() if isinstance(m, RMSNorm)]
     embeddings = getattr(module, "tok_embeddings", None)
     if embeddings is not None and not module.model_args.tie_word_embeddings:

@@ -49,6 +49,9 @@ class Pipeline:
     has_first_stage: bool
     has_last_stage: bool
     aux_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # Multi-token prediction: `mtp_loss(last stage's model, the depths' outputs, their labels)`, the
+    # weighted MTP loss the last stage adds to each training micro-batch's (set by the train step).
+    mtp_loss: Callable[[nn.Module, tuple, torch.Tensor], torch.Tensor] | None = None
 
 
 def split_model(model: nn.Module, layers: range, is_first: bool, is_last: bool) -> nn.Module:
@@ -62,6 +65,8 @@ def split_model(model: nn.Module, layers: range, is_first: bool, is_last: bool) 
     if not is_last:
         stage.norm = None
         stage.output = None
+        if getattr(stage, "mtp", None) is not None:  # multi-token prediction's depths: the last stage's
+            stage.mtp = None
     return stage
 
 
@@ -104,23 +109,25 @@ class RouterStatsStage(nn.Module):
         self.num_experts = num_experts
         self.moe_layers = [m for m in part.modules() if isinstance(m, MoE)]
 
-    def forward(
-        self, x: torch.Tensor, *router_stats: torch.Tensor, **kwargs: Any
-    ) -> tuple[torch.Tensor, ...]:
+    def forward(self, *args: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        # The first stage takes the tokens; the others the previous stage's activations (the hidden
+        # states, and multi-token prediction's embeddings), then the statistics.
+        activations, router_stats = (args[:-2], args[-2:]) if len(args) > 1 else (args, ())
         if router_stats:
             counts, prob_sums = router_stats
             prob_sums = prob_sums.clone()
         else:  # the first stage: a leaf that needs a gradient, as the stage's outputs must
-            counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
-            prob_sums = torch.zeros(self.num_experts, device=x.device, requires_grad=torch.is_grad_enabled())
-        out = self.part(x, **kwargs)
+            device = activations[0].device
+            counts = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+            prob_sums = torch.zeros(self.num_experts, device=device, requires_grad=torch.is_grad_enabled())
+        out = self.part(*activations, **kwargs)
         for layer in self.moe_layers:
             if layer.router_stats is not None:  # training forwards only
                 layer_counts, layer_prob_sums = layer.router_stats
                 layer.router_stats = None
                 counts = counts + layer_counts.long()
                 prob_sums = prob_sums + layer_prob_sums
-        return out, counts, prob_sums
+        return (*(out if isinstance(out, tuple) else (out,)), counts, prob_sums)
 
 
 def build_pipeline(
@@ -181,11 +188,19 @@ def build_pipeline(
     last_stage = stages[ids.index(last_stage_id)] if last_stage_id in ids else None
 
     def last_stage_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
-        if not carry_router_stats:
-            return loss_fn(last_part, output, labels)
-        output, counts, prob_sums = output
-        loss = loss_fn(last_part, output, labels)
-        if pipeline.aux_loss is None or not torch.is_grad_enabled() or last_stage.inferring:
+        if carry_router_stats:
+            *output, counts, prob_sums = output
+            output = output[0] if len(output) == 1 else tuple(output)
+        training = torch.is_grad_enabled() and not last_stage.inferring
+        if isinstance(output, tuple):  # multi-token prediction: the main output, then each depth's
+            loss = loss_fn(last_part, output[0], labels[..., 0])
+            if pipeline.mtp_loss is not None and training:
+                # The gradient gains the depths' loss; the value stays the language model's (logged).
+                mtp_loss = pipeline.mtp_loss(last_part, output[1:], labels[..., 1:])
+                loss = loss + (mtp_loss - mtp_loss.detach())
+        else:
+            loss = loss_fn(last_part, output, labels)
+        if not carry_router_stats or pipeline.aux_loss is None or not training:
             return loss
         aux_loss = pipeline.aux_loss(counts, prob_sums)
         # The gradient gains the auxiliary loss's; the value stays the language model's loss (logged).

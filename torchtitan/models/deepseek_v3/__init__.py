@@ -12,8 +12,9 @@ every sequence length (torchtitan's bug #4117 dropped it below the original cont
 DeepSeekMoE: the first `first_k_dense_replace` layers keep a dense SwiGLU of `hidden_dim`, the others a
 mixture of experts (torchtitan/models/moe.py) with `n_shared_experts` always-on experts, sigmoid scores
 (softmax as an option), the routing bias choosing only, group-limited routing (`n_group`,
-`topk_group`), `norm_topk_prob` and `routed_scaling_factor`. Multi-token prediction is not modelled (a
-folder's MTP layers are skipped on load). Torch-free, like every family's arguments.
+`topk_group`), `norm_topk_prob` and `routed_scaling_factor`. Multi-token prediction (`mtp_layers` depths,
+model.mtp_layers) after the main layers, as DeepSeek-V3's (torchtitan/models/mtp.py). Torch-free, like every
+family's arguments.
 """
 
 import math
@@ -57,6 +58,9 @@ class DeepSeekV3ModelArgs:
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 2.5
     tie_word_embeddings: bool = False
+    # Multi-token prediction depths (model.mtp_layers; the released DeepSeek-V3 has 1, its HF
+    # num_nextn_predict_layers), torchtitan/models/mtp.py.
+    mtp_layers: int = 0
     depth_init: bool = True
     # model.attn_mask_type; block_causal finds documents by these token ids (models/documents.py).
     attn_mask_type: str = "causal"

@@ -13,6 +13,7 @@ from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs
 from torchtitan.models.init import ones_, trunc_normal_
 from torchtitan.models.llama import model as llama
 from torchtitan.models.moe import MoE
+from torchtitan.models.mtp import MTPTransformer
 
 
 def _correction_dim(rotations: float, dim: int, theta: float, original_seq_len: int) -> float:
@@ -124,11 +125,13 @@ class Attention(nn.Module):
         return self.wo(output)
 
 
-class Transformer(llama.Transformer):
+class Transformer(MTPTransformer):
     """DeepSeek-V3 decoder returning float logits; a block's `attention` is MLA, its `feed_forward`
     Llama's SwiGLU in the first `first_k_dense_replace` layers, a mixture of experts with shared
     experts after (`feed_forward.router.weight`, `experts.w1/w2/w3`, `shared_expert.w1/w2/w3` and
-    the `expert_bias` buffer, HF's e_score_correction_bias)."""
+    the `expert_bias` buffer, HF's e_score_correction_bias); `model_args.mtp_layers` multi-token
+    prediction depths after them (`mtp`, torchtitan/models/mtp.py), each a block of layer index
+    n_layers + k - 1 (a mixture of experts, as DeepSeek-V3's)."""
 
     @staticmethod
     def build_block(layer_id: int, model_args: DeepSeekV3ModelArgs) -> nn.Module:

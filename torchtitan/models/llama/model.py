@@ -275,6 +275,7 @@ class Transformer(nn.Module):
                 normal_(self.tok_embeddings.weight)
             for layer in self.layers.values():
                 layer.init_weights()
+            self.init_extra_weights()
             if self.norm is not None:
                 self.norm.init_weights()
             if self.output is not None:
@@ -291,6 +292,10 @@ class Transformer(nn.Module):
                     b=cutoff_factor * final_out_std,
                 )
 
+    def init_extra_weights(self) -> None:
+        """A subclass's modules beyond the shared shape (multi-token prediction's), under init_weights'
+        seeded init."""
+
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Parameters held by this module (a PP stage counts its own); global sizes for DTensors.
         `exclude_embedding` leaves out the embedding table unless it is tied to the output layer."""
@@ -298,6 +303,20 @@ class Transformer(nn.Module):
         if exclude_embedding and self.tok_embeddings is not None and not self.model_args.tie_word_embeddings:
             num -= self.tok_embeddings.weight.numel()
         return num
+
+    def attention_inputs(
+        self, tokens: torch.Tensor, document_ids: torch.Tensor | None
+    ) -> tuple[Documents | None, torch.Tensor]:
+        """What every block's attention takes: with block_causal the documents (found in `tokens` unless
+        `document_ids` are given) and each token's rotations, counted from its document's start; else
+        None and the table."""
+        if self.model_args.attn_mask_type != "block_causal":
+            return None, self.freqs_cis
+        if document_ids is None:
+            document_ids = find_documents(tokens, self.model_args.eos_id, self.model_args.bos_id)
+        documents = Documents(document_ids)
+        self.prepare_documents(documents)
+        return documents, self.freqs_cis[document_positions(document_ids)]
 
     def forward(
         self, tokens: torch.Tensor, skip_output: bool = False, document_ids: torch.Tensor | None = None
@@ -310,13 +329,7 @@ class Transformer(nn.Module):
         of the whole sequences where `tokens` are not those (a later pipeline stage's hidden states, a
         context-parallel rank's share), and RoPE counts from each document's start.
         """
-        documents, freqs_cis = None, self.freqs_cis
-        if self.model_args.attn_mask_type == "block_causal":
-            if document_ids is None:
-                document_ids = find_documents(tokens, self.model_args.eos_id, self.model_args.bos_id)
-            documents = Documents(document_ids)
-            self.prepare_documents(documents)
-            freqs_cis = self.freqs_cis[document_positions(document_ids)]
+        documents, freqs_cis = self.attention_inputs(tokens, document_ids)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, freqs_cis, documents)

@@ -1,0 +1,149 @@
+"""Multi-token prediction (MTP, DeepSeek-V3 paper §2.2): `model.mtp_layers` = D extra depths after the
+main model, depth k predicting the token k+1 ahead (the main model predicts the next one).
+
+Depth k at position i takes the previous depth's hidden state there (the main model's last block output
+for k = 1, before the final norm) and the embedding of token i+k (the shared embedding table), each
+RMS-normed (hnorm, enorm), concatenates them (embedding first, as DeepSeek's `eh_proj` weights expect),
+projects them back to `dim` (eh_proj) and runs one transformer block of the family (layer index
+n_layers + k - 1: a mixture of experts for DeepSeek-V3), whose output feeds depth k+1 and, normed by
+the depth's own norm (DeepSeek's shared_head.norm), the shared output head. Its target at i is token
+i+k+1. Every depth attends causally (within documents, with RoPE from each document's start) like
+the main blocks.
+
+The shift is taken on the host, on whole sequences, before context parallelism shares their tokens out
+and before the pipeline splits the batch (`mtp_targets`): depth k's input tokens and targets travel
+beside the batch's, sharded like them, so no rank needs another's tokens. A target that is not in the
+token's own document, or lies beyond the window, is IGNORE_INDEX: a document's last k+1 positions and
+the window's have none at depth k, and positions without a target only ever feed later positions of
+their own document (which have none either), so what a document learns is what it would learn alone.
+"""
+
+import torch
+from torch import nn
+
+from torchtitan.models.init import trunc_normal_
+from torchtitan.models.llama.model import RMSNorm, Transformer
+
+# F.cross_entropy's ignore_index (the data's IGNORE_INDEX, torchtitan/datasets/layout.py).
+IGNORE_INDEX = -100
+
+
+def mtp_targets(
+    tokens: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None, depths: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bs, seqlen, depths) input tokens and targets of the MTP depths for a (bs, seqlen) batch whose
+    `labels` are the next tokens (label i = token i+1; IGNORE_INDEX where untrained, e.g. chat prompts):
+    depth k (index k-1) at position i takes token i+k and targets label i+k (token i+k+1), kept only when
+    i+k+1 is inside the window and in the same document as i (`document_ids`: block_causal's; None: the
+    window is one document). Elsewhere the input token is 0 and the target IGNORE_INDEX."""
+    bs, seqlen = tokens.shape
+    ids = document_ids if document_ids is not None else torch.zeros_like(tokens)
+    inputs = torch.zeros(bs, seqlen, depths, dtype=tokens.dtype, device=tokens.device)
+    targets = torch.full((bs, seqlen, depths), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)
+    for k in range(1, depths + 1):
+        span = seqlen - k - 1  # positions whose token i+k+1 is inside the window
+        if span <= 0:
+            continue
+        same = ids[:, :span] == ids[:, k + 1 : k + 1 + span]
+        inputs[:, :span, k - 1] = torch.where(same, tokens[:, k : k + span], 0)
+        targets[:, :span, k - 1] = torch.where(same, labels[:, k : k + span], IGNORE_INDEX)
+    return inputs, targets
+
+
+class MTPLayer(nn.Module):
+    """One MTP depth: `eh_proj(cat(enorm(embedding), hnorm(hidden)))`, then `block` (the family's); its
+    `norm` (DeepSeek's shared_head.norm) is applied by the model before the shared output head. HF names
+    (DeepSeek-V3's layer n_layers + k - 1): enorm, hnorm, eh_proj, shared_head.norm and the block's."""
+
+    def __init__(self, block: nn.Module, dim: int, eps: float) -> None:
+        super().__init__()
+        self.enorm = RMSNorm(dim, eps=eps)
+        self.hnorm = RMSNorm(dim, eps=eps)
+        self.eh_proj = nn.Linear(2 * dim, dim, bias=False)
+        self.block = block
+        self.norm = RMSNorm(dim, eps=eps)
+
+    def init_weights(self) -> None:
+        for norm in (self.enorm, self.hnorm, self.norm):
+            norm.init_weights()
+        trunc_normal_(self.eh_proj.weight, std=0.02)
+        self.block.init_weights()
+
+    def forward(
+        self, embeddings: torch.Tensor, hidden: torch.Tensor, freqs_cis: torch.Tensor, documents: object
+    ) -> torch.Tensor:
+        """The depth's block output (before `norm`) from the shifted tokens' embeddings and the previous
+        depth's hidden states, (bs, seqlen, dim) each."""
+        h = self.eh_proj(torch.cat([self.enorm(embeddings), self.hnorm(hidden)], dim=-1))
+        return self.block(h, freqs_cis, documents)
+
+
+def mtp_depths(model: nn.Module) -> int:
+    """The model's MTP depths (0 for a family without them, or a pipeline stage before the last)."""
+    mtp = getattr(model, "mtp", None)
+    return len(mtp) if mtp is not None else 0
+
+
+def block_slots(model: nn.Module) -> list[tuple[nn.Module, str, int]]:
+    """Every transformer block of `model` (a whole model or a pipeline stage) as (its parent, its name
+    there, its layer index): the main blocks (`layers`), then each MTP depth's (layer n_layers + k - 1),
+    for the parallelisms that wrap or split blocks (TP, EP, activation checkpointing, compile, FSDP)."""
+    slots = [(model.layers, name, int(name)) for name in model.layers]
+    n_layers = model.model_args.n_layers
+    for k, layer in enumerate(getattr(model, "mtp", None).values() if mtp_depths(model) else []):
+        slots.append((layer, "block", n_layers + k))
+    return slots
+
+
+class MTPTransformer(Transformer):
+    """A Llama-shaped decoder with `model_args.mtp_layers` MTP depths (`mtp`, a ModuleDict of MTPLayer
+    keyed "0".."D-1"; None without them, and on pipeline stages before the last).
+
+    forward(tokens, mtp_embeddings=None, *, mtp_tokens=None, ...): without `mtp_tokens` (and on a model
+    without depths) the plain decoder's. With them ((bs, seqlen, D) ids: `mtp_targets`' inputs) the
+    stage holding the embeddings looks the batch's and the shifted tokens up together (one lookup); a
+    stage without the final norm returns (hidden states, shifted embeddings) for the next stage (a
+    pipeline sends the embeddings on as an activation, so the one table gets their gradient back); the
+    last returns (main output, depth 1's, ..., depth D's): logits, or with `skip_output` the normed
+    hidden states the chunked loss projects."""
+
+    def __init__(self, model_args) -> None:  # noqa: ANN001 (any family's arguments with mtp_layers)
+        super().__init__(model_args)
+        args, self.mtp = model_args, None
+        if args.mtp_layers:
+            blocks = [self.build_block(args.n_layers + k, args) for k in range(args.mtp_layers)]
+            self.mtp = nn.ModuleDict(
+                {str(k): MTPLayer(block, args.dim, args.norm_eps) for k, block in enumerate(blocks)}
+            )
+
+    def init_extra_weights(self) -> None:
+        for layer in self.mtp.values() if self.mtp is not None else []:
+            layer.init_weights()
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        mtp_embeddings: torch.Tensor | None = None,
+        skip_output: bool = False,
+        document_ids: torch.Tensor | None = None,
+        mtp_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        if mtp_tokens is None and mtp_embeddings is None:
+            return super().forward(tokens, skip_output=skip_output, document_ids=document_ids)
+        documents, freqs_cis = self.attention_inputs(tokens, document_ids)
+        if self.tok_embeddings is not None:
+            looked_up = self.tok_embeddings(torch.cat([tokens.unsqueeze(-1), mtp_tokens], dim=-1))
+            h, mtp_embeddings = looked_up[:, :, 0], looked_up[:, :, 1:].contiguous()
+        else:
+            h = tokens
+        for layer in self.layers.values():
+            h = layer(h, freqs_cis, documents)
+        if self.norm is None:  # a pipeline stage before the last: the embeddings travel on
+            return h, mtp_embeddings.view_as(mtp_embeddings)
+        outputs, hidden = [self.norm(h)], h
+        for k, layer in enumerate(self.mtp.values()):
+            hidden = layer(mtp_embeddings[:, :, k], hidden, freqs_cis, documents)
+            outputs.append(layer.norm(hidden))
+        if skip_output or self.output is None:
+            return tuple(outputs)
+        return tuple(self.output(out).float() for out in outputs)
