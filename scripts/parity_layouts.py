@@ -295,7 +295,10 @@ MATRIX = [
     Layout("DeepSeek-V3 MTP: FSDP 2", 2, 2, 4, model=DEEPSEEK_V3_MTP),
     Layout("DeepSeek-V3 MTP: EP 2", 2, 2, 4, ep(2), DEEPSEEK_V3_MTP),
     Layout("DeepSeek-V3 MTP: FSDP 2 x TP 2", 4, 2, 4, tp(2), DEEPSEEK_V3_MTP),
-    Layout("DeepSeek-V3 MTP: FSDP 2 + GA 2 + chunked loss", 2, 1, 4, CHUNKED_LOSS, DEEPSEEK_V3_MTP),
+    Layout("DeepSeek-V3 MTP: FSDP 2 + chunked loss", 2, 2, 4, CHUNKED_LOSS, DEEPSEEK_V3_MTP),
+    Layout(
+        "DeepSeek-V3 MTP: GA 2 x batch 2 (1 process)", 1, 2, 4, model=DEEPSEEK_V3_MTP, reference_microbatch=2
+    ),
     Layout("DeepSeek-V3 MTP: PP 2, 1F1B", 2, 4, 4, pp(2), DEEPSEEK_V3_MTP, reference_microbatch=2),
     Layout("DeepSeek-V3 MTP: PP 2, GPipe", 2, 4, 4, pp(2, "GPipe"), DEEPSEEK_V3_MTP, reference_microbatch=2),
     Layout(

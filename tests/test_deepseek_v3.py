@@ -264,3 +264,64 @@ def test_a_qwen3_moe_folder_is_refused(tmp_path, capsys):
         and "holds a qwen3_moe model" in errors[0]
         and "not this job's deepseek_v3" in errors[0]
     )
+
+
+def make_hub_with_mtp(folder: Path, args: DeepSeekV3ModelArgs) -> Path:
+    """A Hub-style DeepSeek-V3 folder with one multi-token prediction layer in DeepSeek's names: transformers
+    makes N + 1 layers, the last becoming the MTP layer N's block, beside random enorm, hnorm, eh_proj and
+    shared_head.norm and the copies of the embeddings and head; config.json says N layers and 1 MTP layer."""
+    make_hub(folder, replace(args, n_layers=args.n_layers + 1))
+    weights = load_file(folder / "model.safetensors")
+    n, generator = args.n_layers, torch.Generator().manual_seed(2)
+    for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+        weights[f"model.layers.{n}.{name}"] = 1 + 0.1 * torch.randn(args.dim, generator=generator)
+    weights[f"model.layers.{n}.eh_proj.weight"] = 0.05 * torch.randn(
+        args.dim, 2 * args.dim, generator=generator
+    )
+    weights[f"model.layers.{n}.embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+    weights[f"model.layers.{n}.shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    save_file(weights, folder / "model.safetensors", {"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config.update(num_hidden_layers=n, num_nextn_predict_layers=1)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_an_mtp_layer_round_trips_and_transformers_loads_the_export(tmp_path):
+    """model.mtp_layers 1 on a folder with DeepSeek's MTP layer: loaded (every tensor but the copies of the
+    embeddings and head, which the model shares), saved as our checkpoint after 0 steps and exported:
+    every tensor of the folder bit for bit, the MTP layer's included; transformers loads the export
+    (skipping the MTP layer, as it does DeepSeek's) and computes the folder's logits."""
+    args = replace(job_args("debugmodel"), mtp_layers=1)
+    folder = make_hub_with_mtp(tmp_path / "hub", args)
+    model = SPEC.build(args)
+    model.init_weights(seed=0)
+    job = parse_args(["--model.name", "deepseek_v3", "--model.mtp_layers", "1"])
+    reader = load_hf_weights(model, str(folder), job.model, args)
+    n = args.n_layers
+    assert reader.skipped_summary() == (
+        "multi-token prediction's copies of the embeddings and output head (shared here): 2 tensors "
+        f"(model.layers.{n}.embed_tokens.weight, ...)"
+    )
+    weights = load_file(folder / "model.safetensors")
+    assert torch.equal(model.mtp["0"].eh_proj.weight.detach(), weights[f"model.layers.{n}.eh_proj.weight"])
+    assert torch.equal(
+        model.mtp["0"].block.feed_forward.expert_bias,
+        weights[f"model.layers.{n}.mlp.gate.e_score_correction_bias"],
+    )
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    export_hf(str(tmp_path / "dcp"), str(tmp_path / "hf"), args, name="deepseek_v3")
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert exported.keys() == weights.keys()
+    assert all(torch.equal(exported[name], weights[name]) for name in weights)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    tokens = batch()
+    expected = transformers_logits(folder, tokens, packed=False)
+    assert torch.equal(transformers_logits(tmp_path / "hf", tokens, packed=False), expected)
+    # Without MTP the folder's layer is skipped whole, in the reader's one line.
+    reader = load_hf_weights(
+        SPEC.build(job_args("debugmodel")), str(folder), job.model, job_args("debugmodel")
+    )
+    assert reader.skipped_summary().startswith(
+        f"multi-token prediction layers: 44 tensors (model.layers.{n}."
+    )

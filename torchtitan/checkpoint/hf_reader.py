@@ -153,14 +153,23 @@ class HFReader(StorageReader):
     family `model_name`'s (its config.json's model_type must be that family's), or, without one, the
     family config.json names. Errors name `option`."""
 
-    def __init__(self, path: str, option: str, model_name: str | None = None, prefix: str = "model.") -> None:
+    def __init__(
+        self,
+        path: str,
+        option: str,
+        model_name: str | None = None,
+        prefix: str = "model.",
+        mtp_layers: int = 0,
+    ) -> None:
         super().__init__()
         self.path, self.option, self.prefix = path, option, prefix
         self.config, self.adapter = read_hf_config(option, path, model_name)
         adapter = self.adapter
         tensors = _folder_tensors(option, path)
-        # Every family's skipped tensors, and those of the family's own layout (DeepSeek-V3's MTP layers).
-        patterns = {**SKIPPED, **(adapter.skipped(self.config) if hasattr(adapter, "skipped") else {})}
+        # Every family's skipped tensors, and those of the family's own layout (DeepSeek-V3's MTP layers
+        # beyond the model's `mtp_layers`).
+        own = adapter.skipped(self.config, mtp_layers) if hasattr(adapter, "skipped") else {}
+        patterns = {**SKIPPED, **own}
         self.skipped = {name: why for name in tensors if (why := _skipped(name, patterns)) is not None}
         self.names = sorted(name for name in tensors if name not in self.skipped)
         self.files: dict[str, str] = {}
@@ -293,7 +302,8 @@ def load_hf_weights(
     each: the family, every tensor the model has present with its shape, none of the folder's left
     out but those `SKIPPED`, and, where the family's adapter checks it (`check_flavor`), config.json's
     other settings. Returns the reader (its `bytes_read`)."""
-    reader = HFReader(path, "checkpoint.initial_load_path", model_config.name)
+    mtp_layers = getattr(model_args, "mtp_layers", 0)
+    reader = HFReader(path, "checkpoint.initial_load_path", model_config.name, mtp_layers=mtp_layers)
     with torch.device("meta"):
         expected = {
             name: tuple(tensor.shape)
@@ -301,6 +311,12 @@ def load_hf_weights(
         }
     job_model = f"{model_config.name} {model_config.flavor}"
     for name, shape in expected.items():
+        if name not in reader.sources and name.startswith("mtp."):
+            depths = reader.config.get("num_nextn_predict_layers") or 0
+            raise ConfigError(
+                f"model.mtp_layers: {path} has {depths} multi-token prediction layers, fewer than the "
+                f"{mtp_layers} asked for; set model.mtp_layers to at most {depths}"
+            )
         if name not in reader.sources:
             raise ConfigError(
                 f"checkpoint.initial_load_path: {path} has no {name}; is model.flavor "

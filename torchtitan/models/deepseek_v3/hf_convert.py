@@ -4,8 +4,14 @@ per expert (`model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`), as trans
 
 Only names differ, and the experts are stacked: transformers' rope_interleave=True rotates interleaved
 pairs as our complex RoPE does, so no rows are reordered. The routing bias is HF's
-`mlp.gate.e_score_correction_bias`: unlike Qwen3-MoE's, it is saved and loaded. A folder's multi-token
-prediction layers (`model.layers.{N + i}`, after the N decoder layers) are skipped on load.
+`mlp.gate.e_score_correction_bias`: unlike Qwen3-MoE's, it is saved and loaded.
+
+Multi-token prediction: depth i's layer is DeepSeek's `model.layers.{N + i}` after the N decoder layers
+(layer 61 of DeepSeek-V3), its block under the block's names, with `enorm`, `hnorm`, `eh_proj` and
+`shared_head.norm`; DeepSeek's files also hold copies of the embeddings and the output head there
+(`embed_tokens`, `shared_head.head`), which speculative decoders load: the export writes them, the import
+skips them (the model shares the main ones). A folder's depths beyond model.mtp_layers are skipped on
+load (all of them with mtp_layers 0), as transformers' DeepseekV3ForCausalLM skips them all.
 """
 
 import re
@@ -48,27 +54,81 @@ NAMES = {
 }
 
 
+# A multi-token prediction depth's own tensors, ours (after "mtp.{i}.") -> DeepSeek's (after
+# "model.layers.{N + i}."); its block's are a decoder layer's.
+MTP_NAMES = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "norm.weight": "shared_head.norm.weight",
+}
+# DeepSeek's copies of the shared embeddings and head in each depth's layer: ours -> theirs.
+MTP_COPIES = {"tok_embeddings.weight": "embed_tokens.weight", "output.weight": "shared_head.head.weight"}
+_OUR_MTP = re.compile(r"mtp\.(\d+)\.(block\.)?(.+)")
+
+
 def to_hf(state_dict: dict[str, torch.Tensor], model_args: DeepSeekV3ModelArgs) -> dict[str, torch.Tensor]:
-    """Our model's state dict (the routing bias included) -> HF DeepseekV3ForCausalLM's."""
-    dense, experts = experts_to_hf(state_dict)
-    return {**to_hf_names(dense, NAMES, model_args.tie_word_embeddings), **experts}
+    """Our model's state dict (the routing bias included) -> HF DeepseekV3ForCausalLM's, multi-token
+    prediction's depths as DeepSeek's layers N + i (with the copies of the embeddings and head)."""
+    main, mtp = {}, {}
+    for name, w in state_dict.items():
+        match = _OUR_MTP.fullmatch(name)
+        if match is None:
+            main[name] = w
+            continue
+        depth, in_block, rest = match.groups()
+        layer = model_args.n_layers + int(depth)
+        if in_block:  # the block's tensors as decoder layer N + i's
+            main[f"layers.{layer}.{rest}"] = w
+        else:
+            mtp[f"model.layers.{layer}.{MTP_NAMES[rest]}"] = w.contiguous()
+    for depth in range(model_args.mtp_layers):
+        for ours, theirs in MTP_COPIES.items():
+            mtp[f"model.layers.{model_args.n_layers + depth}.{theirs}"] = state_dict[ours].clone()
+    dense, experts = experts_to_hf(main)
+    return {**to_hf_names(dense, NAMES, model_args.tie_word_embeddings), **experts, **mtp}
 
 
 def from_hf(state_dict: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
-    """HF DeepseekV3ForCausalLM's state dict (Hub layout, without its MTP layers) -> our model's, each
-    MoE layer's experts stacked (`config`, its config.json, changes nothing)."""
-    dense, experts = experts_from_hf(state_dict)
-    return {**from_hf_names(dense, NAMES), **experts}
+    """HF DeepseekV3ForCausalLM's state dict (Hub layout; the MTP layers `skipped` leaves, as
+    `mtp.{i}.*`) -> our model's, each MoE layer's experts stacked (`config`: its config.json)."""
+    n_layers = config["num_hidden_layers"]
+    main, mtp = {}, {}
+    theirs_to_ours = {theirs: ours for ours, theirs in MTP_NAMES.items()}
+    for name, w in state_dict.items():
+        match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        if match is None or int(match.group(1)) < n_layers:
+            main[name] = w
+        elif match.group(2) in theirs_to_ours:
+            mtp[f"mtp.{int(match.group(1)) - n_layers}.{theirs_to_ours[match.group(2)]}"] = w
+        else:  # the depth's block, as a decoder layer's first
+            main[name] = w
+    dense, experts = experts_from_hf(main)
+    converted = {**from_hf_names(dense, NAMES), **experts}
+    for name in list(converted):  # the depths' blocks under their names
+        layer = re.match(r"layers\.(\d+)\.", name)
+        if layer and int(layer.group(1)) >= n_layers:
+            depth = int(layer.group(1)) - n_layers
+            converted[f"mtp.{depth}.block.{name[layer.end() :]}"] = converted.pop(name)
+    return {**converted, **mtp}
 
 
-def skipped(config: dict) -> dict[re.Pattern, str]:
+def skipped(config: dict, mtp_layers: int = 0) -> dict[re.Pattern, str]:
     """The folder's tensors this family has no place for, beyond every family's (hf_convert.SKIPPED):
-    the multi-token prediction layers, numbered after the decoder's (DeepSeek-V3's layer 61)."""
+    the multi-token prediction layers (numbered after the decoder's: DeepSeek-V3's layer 61) beyond the
+    model's `mtp_layers`, and the kept ones' copies of the embeddings and head."""
     first, count = config["num_hidden_layers"], config.get("num_nextn_predict_layers") or 0
-    if not count:
-        return {}
-    layers = "|".join(str(first + i) for i in range(count))
-    return {re.compile(rf"model\.layers\.({layers})\..+"): "multi-token prediction layers"}
+    patterns = {}
+    if count > mtp_layers:
+        layers = "|".join(str(first + i) for i in range(mtp_layers, count))
+        patterns[re.compile(rf"model\.layers\.({layers})\..+")] = "multi-token prediction layers"
+    if kept := min(count, mtp_layers):
+        layers = "|".join(str(first + i) for i in range(kept))
+        copies = "|".join(re.escape(theirs) for theirs in MTP_COPIES.values())
+        patterns[re.compile(rf"model\.layers\.({layers})\.({copies})")] = (
+            "multi-token prediction's copies of the embeddings and output head (shared here)"
+        )
+    return patterns
 
 
 # transformers' DeepseekV3Config defaults (the 671B values), for the keys a config.json may leave out.
@@ -188,5 +248,5 @@ def hf_config(
         "n_shared_experts": args.n_shared_experts,
         "scoring_func": args.score_func,
         "topk_method": "noaux_tc",
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": args.mtp_layers,
     }
