@@ -19,7 +19,7 @@ from scripts.parity_layouts import (
     AC_OP,
     BLOCK_CAUSAL,
     CHUNKED_LOSS,
-    DEEPSEEK_V3,
+    DEEPSEEK_V3_MTP_TP,
     FSDP_KNOBS,
     MUON,
     QWEN3_CP_CI,
@@ -101,8 +101,12 @@ CI_LAYOUTS = [
     # DeepSeek-V3's debug flavour (docs/models.md), both balancing methods on, packed documents: MLA split
     # by heads under TP, its latents sequence-parallel and the shared RoPE key's gradient summed over the
     # tp ranks; DeepSeekMoE's shared expert, groups and routed scale under EP. FSDP 2, EP 2 alone and the
-    # plain-q flavour under TP: scripts/parity_matrix.py; against transformers: test_deepseek_v3.py.
-    Layout("DeepSeek-V3, block_causal: EP 2 x TP 2", 4, 2, 4, ep(2) + tp(2), DEEPSEEK_V3),
+    # plain-q flavour under TP: scripts/parity_matrix.py; against transformers: test_deepseek_v3.py. With a
+    # multi-token prediction depth (docs/objectives.md): its norms and eh_proj sequence-parallel, its MoE
+    # block under EP, the shifted tokens' embeddings looked up with the batch's from the vocabulary
+    # shards; its loss (mtp_loss_1) compared too. Its other layouts (PP with two schedules, the chunked
+    # loss, compile + AC): scripts/parity_matrix.py; kill -9 on PP 2: test_moe_resume.py.
+    Layout("DeepSeek-V3 MTP, block_causal: EP 2 x TP 2", 4, 2, 4, ep(2) + tp(2), DEEPSEEK_V3_MTP_TP),
 ]
 
 
