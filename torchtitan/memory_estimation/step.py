@@ -101,6 +101,11 @@ def build_step(
     """The rank's model parts and optimizer, built as train.py builds them, and its step (the
     trainer's own TrainStep). With `fake_mode` the parameters are fake tensors (run the step under
     it too); `n_layers` overrides the flavour's depth."""
+    if cfg.model.mtp_layers:  # its host-side targets and the pipeline's extra activation: not modelled
+        raise ConfigError(
+            "model.mtp_layers: the memory estimator does not model multi-token prediction yet; estimate "
+            "with mtp_layers 0 (each depth adds about one block, docs/objectives.md)"
+        )
     # Fake tensors hold no token ids, so no documents: block_causal is estimated as causal (the same
     # activations but one copy of each layer's attention output, docs/attention.md).
     causal = replace(cfg, model=replace(cfg.model, attn_mask_type="causal"))
