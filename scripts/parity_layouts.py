@@ -316,6 +316,8 @@ MATRIX = [
         reference_microbatch=2,
     ),
     Layout("DeepSeek-V3 MTP: compile + AC selective op", 1, 4, 4, COMPILE + AC_OP, DEEPSEEK_V3_MTP),
+    Layout("DeepSeek-V3 MTP: HSDP 2x2 + AC full", 4, 1, 4, replicate(2) + AC_FULL, DEEPSEEK_V3_MTP),
+    Layout("DeepSeek-V3 MTP: DDP 2", 2, 2, 4, replicate(2), DEEPSEEK_V3_MTP),
     # Muon: each rank gathers the matrices it holds a shard or slice of (docs/optimizers.md).
     Layout("Muon: FSDP 2", 2, 2, 4, model=MUON),
     Layout("Muon: TP 2", 2, 4, 4, tp(2), MUON),

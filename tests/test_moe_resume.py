@@ -9,7 +9,7 @@ split over them, everything else FSDP-sharded over the same 2, "EP 2 x FSDP 2") 
 that never stopped (the biases within 1e-6); PP 2 resumed from the same checkpoint, and PP 2 killed with
 SIGKILL once an asynchronous save is complete and relaunched: bit for bit the PP 2 run that never
 stopped (biases and optimizer state included; a pipeline's auxiliary loss is each micro-batch's, so PP 2
-is compared with PP 2).
+is compared with PP 2); EP 2's checkpoint resumed by one process within 1e-5.
 
 Qwen3-MoE keeps a resume proof of its own (its state names, softmax routing and per-head norms):
 test_qwen3_moe_ep2_checkpoint_resumes_on_one_process, EP 2's checkpoint resumed by one process within
@@ -61,7 +61,7 @@ def assert_close(resumed: dict, straight: dict) -> None:
 
 
 def test_deepseek_v3_resumes_across_layouts_and_after_sigkill_on_pp2(tmp_path):
-    single, ep2, killed, pp2 = (tmp_path / name for name in ("single", "ep2", "killed", "pp2"))
+    single, ep2, killed, pp2, back = (tmp_path / name for name in ("single", "ep2", "killed", "pp2", "back"))
     check(run_train(1, single, *STEPS, *ONE))
     straight = {m["step"]: m for m in read_metrics(single)}
     assert sorted(straight) == list(range(1, 9))
@@ -100,6 +100,11 @@ def test_deepseek_v3_resumes_across_layouts_and_after_sigkill_on_pp2(tmp_path):
     assert [relaunched[s]["mtp_loss_1"] for s in (7, 8)] == [piped[s]["mtp_loss_1"] for s in (7, 8)]
     for name, bias in biases(killed / "checkpoint" / "step-8", mtp=True).items():
         assert torch.equal(bias, pp2_biases[name]), name
+
+    # EP 2 -> EP 1.
+    copy_step(ep2, 6, back)
+    check(run_train(1, back, *STEPS, *ONE))
+    assert_close({m["step"]: m for m in read_metrics(back)}, straight)
 
 
 def test_qwen3_moe_ep2_checkpoint_resumes_on_one_process(tmp_path):

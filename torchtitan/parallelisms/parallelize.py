@@ -344,8 +344,11 @@ def apply_ddp(
     """Plain data parallelism (replicas only), on FSDP2's machinery: per-block gradient all-reduce
     buckets, and the same mixed precision and accumulation controls as FSDP. Replicas gather nothing,
     so the blocks keep their fp32 weights whole (one unit, one compiled graph each) and autocast rounds
-    the matmul weights, as on one process; the root's units are FSDP's."""
-    for block in model.layers.values():
+    the matmul weights, as on one process; the root's units are FSDP's. Multi-token prediction's depths
+    are units like the blocks."""
+    blocks = list(model.layers.values())
+    blocks += list(model.mtp.values()) if getattr(model, "mtp", None) is not None else []
+    for block in blocks:
         replicate(block, mesh=dp_mesh, mp_policy=fp32_policy or mp_policy)
     for unit in fp32_units(model) if fp32_policy else []:
         replicate(unit, mesh=dp_mesh, mp_policy=fp32_policy)
