@@ -139,3 +139,32 @@ def test_the_weight_scales_the_depths_gradient():
         grads[weight] = model.get_parameter("mtp.0.eh_proj.weight").grad
     assert grads[0.0].abs().sum() == 0 and grads[WEIGHT].abs().sum() > 0
     assert losses[0.0] == losses[WEIGHT]
+
+
+def test_context_parallel_ranks_get_their_shifted_tokens_from_the_whole_sequence():
+    """Under context parallelism the shift is taken on whole sequences before they are dealt out: each
+    rank's depth-k inputs and targets are the whole sequence's at its positions, those whose token k+1
+    ahead another rank holds included (checked for every rank of CP 4, packed documents). The depths'
+    attention under CP: docs/objectives.md."""
+    from torchtitan.parallelisms.context_parallel import rows_positions, sequence_layouts
+
+    model = build()
+    training = parse_args(["--training.batch_size", "2", *FP32]).training
+    inputs, labels = packed_batches()[0]
+    ids = find_documents(inputs, EOS, None)
+    whole_inputs, whole_targets = mtp_targets(inputs, labels, ids, DEPTHS)
+    layouts, crossing = sequence_layouts(SEQ, 4, ids), 0
+    for rank in range(4):
+        mesh = SimpleNamespace(size=lambda: 4, get_local_rank=lambda rank=rank: rank)
+        step = TrainStep([model], None, ParallelDims(dp_shard=1, world_size=1), training, torch.device("cpu"))
+        step.cp_mesh = mesh
+        _, rank_labels, kwargs = step._on_device((inputs, labels))
+        positions = rows_positions(layouts, rank).expand(2, -1)
+        held = set(positions[0].tolist())
+        for k in range(DEPTHS):
+            expected = whole_targets[..., k].gather(1, positions)
+            assert torch.equal(rank_labels[..., k + 1], expected)
+            assert torch.equal(kwargs["mtp_tokens"][..., k], whole_inputs[..., k].gather(1, positions))
+            ahead = [p for p in held if p + k + 2 < SEQ and p + k + 2 not in held]
+            crossing += sum(int((whole_targets[:, p, k] != IGNORE_INDEX).sum()) for p in ahead)
+    assert crossing > 0  # targets another rank's tokens gave
