@@ -296,6 +296,16 @@ MATRIX = [
     Layout("DeepSeek-V3, block_causal: CP 2 x EP 2", 4, 2, 4, cp(2) + ep(2), DEEPSEEK_V3),
     Layout("Qwen3-MoE: CP 2", 2, 4, 4, cp(2), QWEN3_MOE),
     Layout("Qwen3-MoE aux + bias, block_causal: CP 2 x TP 2", 4, 4, 4, cp(2) + tp(2), QWEN3_MOE_BLOCK_BOTH),
+    Layout("DeepSeek-V3 plain q, block_causal: CP 2", 2, 4, 4, cp(2), DEEPSEEK_V3_PLAIN_Q),
+    Layout(
+        "DeepSeek-V3, block_causal: CP 2 + compile + AC selective op",
+        2,
+        4,
+        4,
+        cp(2) + COMPILE + AC_OP,
+        DEEPSEEK_V3,
+    ),
+    Layout("Qwen3-MoE bias: PP 2 x CP 2, 1F1B", 4, 4, 4, pp(2) + cp(2), QWEN3_MOE_BIAS),
     # Muon: each rank gathers the matrices it holds a shard or slice of (docs/optimizers.md).
     Layout("Muon: FSDP 2", 2, 2, 4, model=MUON),
     Layout("Muon: TP 2", 2, 4, 4, tp(2), MUON),
