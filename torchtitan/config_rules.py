@@ -92,16 +92,17 @@ def check_parallelism(job_config: JobConfig, parallel_dims: ParallelDims, model_
         )
 
 
-def check_context_parallel(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-    """What context parallelism cannot run with yet: multi-head latent attention (deepseek_v3) with TP,
-    whose sequence-parallel latents would be gathered over tp inside wkv_b and over cp before it, in two
-    orders (its latent gather, parallelisms/context_parallel.py, runs on the cp ranks' whole latents)."""
-    model = job_config.model
-    if parallel_dims.cp_enabled and parallel_dims.tp_enabled and model.name == "deepseek_v3":
+def check_context_parallel(job_config: JobConfig, parallel_dims: ParallelDims, model_args: ModelArgs) -> None:
+    """What context parallelism cannot run with yet: multi-head latent attention (a `kv_lora_rank`:
+    deepseek_v3) with TP, whose sequence-parallel latents would be gathered over tp inside wkv_b and
+    over cp before it, in two orders (its latent gather, parallelisms/context_parallel.py, runs on the
+    cp ranks' whole latents)."""
+    latent_attention = getattr(model_args, "kv_lora_rank", None) is not None
+    if parallel_dims.cp_enabled and parallel_dims.tp_enabled and latent_attention:
         raise ConfigError(
-            f"parallelism.context_parallel_degree: {model.name}'s latent attention gathers its latents over "
-            "the cp ranks, which tensor parallelism's sequence-parallel latents do not compose with yet; use "
-            "tensor_parallel_degree 1 with context parallelism (or context_parallel_degree 1)"
+            f"parallelism.context_parallel_degree: {job_config.model.name}'s latent attention gathers its "
+            "latents over the cp ranks, which tensor parallelism's sequence-parallel latents do not compose "
+            "with yet; use tensor_parallel_degree 1 with context parallelism (or context_parallel_degree 1)"
         )
 
 
@@ -436,7 +437,7 @@ def check_layout(
     check_parallelism(job_config, parallel_dims, model_args)
     check_moe(job_config, parallel_dims, model_args)
     check_routing_and_latents(job_config, model_args)
-    check_context_parallel(job_config, parallel_dims)
+    check_context_parallel(job_config, parallel_dims, model_args)
     if parallel_dims.pp_enabled:
         check_tied_pipeline(job_config, model_args)
         check_pipeline(job_config, model_args.n_layers)
