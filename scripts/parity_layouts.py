@@ -134,6 +134,7 @@ LLAMA_BLOCK = (*LONG, *BLOCK_CAUSAL)
 QWEN3_BLOCK = (*QWEN3_LONG, *BLOCK_CAUSAL)
 QWEN3_CP_CI_BLOCK = (*QWEN3_CP_CI, *BLOCK_CAUSAL)
 QWEN3_MOE_BLOCK = (*QWEN3_MOE, *BLOCK_CAUSAL)
+QWEN3_MOE_BLOCK_BOTH = (*QWEN3_MOE_BOTH, *BLOCK_CAUSAL)
 # DeepSeek-V3's debug flavour (MLA with a q LoRA and YaRN, sigmoid routing in 2 groups, a shared expert,
 # a dense first layer), both balancing methods on, on packed documents attending within themselves.
 DEEPSEEK_V3 = (
@@ -289,6 +290,22 @@ MATRIX = [
     Layout("DeepSeek-V3, block_causal: PP 2, 1F1B", 2, 4, 4, pp(2), DEEPSEEK_V3, reference_microbatch=2),
     Layout("DeepSeek-V3, block_causal: HSDP 2x2 + AC full", 4, 1, 4, replicate(2) + AC_FULL, DEEPSEEK_V3),
     Layout("DeepSeek-V3, block_causal: compile + AC selective op", 1, 4, 4, COMPILE + AC_OP, DEEPSEEK_V3),
+    # Context parallelism with a mixture of experts: the cp ranks route their own tokens (expert counts,
+    # the auxiliary loss's statistics and the gradients over dp x cp); MLA gathers its latents.
+    Layout("DeepSeek-V3, block_causal: CP 2", 2, 4, 4, cp(2), DEEPSEEK_V3),
+    Layout("DeepSeek-V3, block_causal: CP 2 x EP 2", 4, 2, 4, cp(2) + ep(2), DEEPSEEK_V3),
+    Layout("Qwen3-MoE: CP 2", 2, 4, 4, cp(2), QWEN3_MOE),
+    Layout("Qwen3-MoE aux + bias, block_causal: CP 2 x TP 2", 4, 4, 4, cp(2) + tp(2), QWEN3_MOE_BLOCK_BOTH),
+    Layout("DeepSeek-V3 plain q, block_causal: CP 2", 2, 4, 4, cp(2), DEEPSEEK_V3_PLAIN_Q),
+    Layout(
+        "DeepSeek-V3, block_causal: CP 2 + compile + AC selective op",
+        2,
+        4,
+        4,
+        cp(2) + COMPILE + AC_OP,
+        DEEPSEEK_V3,
+    ),
+    Layout("Qwen3-MoE bias: PP 2 x CP 2, 1F1B", 4, 4, 4, pp(2) + cp(2), QWEN3_MOE_BIAS),
     # Muon: each rank gathers the matrices it holds a shard or slice of (docs/optimizers.md).
     Layout("Muon: FSDP 2", 2, 2, 4, model=MUON),
     Layout("Muon: TP 2", 2, 4, 4, tp(2), MUON),

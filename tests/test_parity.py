@@ -103,6 +103,12 @@ CI_LAYOUTS = [
     # tp ranks; DeepSeekMoE's shared expert, groups and routed scale under EP. FSDP 2, EP 2 alone and the
     # plain-q flavour under TP: scripts/parity_matrix.py; against transformers: test_deepseek_v3.py.
     Layout("DeepSeek-V3, block_causal: EP 2 x TP 2", 4, 2, 4, ep(2) + tp(2), DEEPSEEK_V3),
+    # Context parallelism with a mixture of experts (the same reference): MLA gathers its latents over
+    # the cp ranks; the experts' FSDP unit spans cp, and the expert counts and the auxiliary loss's
+    # statistics are summed over dp x cp (docs/moe.md). CP 2 alone, Qwen3-MoE's CP 2 and CP 2 x TP 2:
+    # scripts/parity_matrix.py; MLA's gathers against one process, value and gradient:
+    # test_context_parallel.py.
+    Layout("DeepSeek-V3, block_causal: CP 2 x EP 2", 4, 2, 4, cp(2) + ep(2), DEEPSEEK_V3),
 ]
 
 

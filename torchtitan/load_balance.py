@@ -3,11 +3,13 @@
 - `moe.aux_loss_coef`: the auxiliary loss of transformers' Qwen3-MoE, num_experts * sum_e f_e * P_e,
   where f_e is the share of (token, choice) assignments that went to expert e and P_e its mean router
   probability, both pooled over the sparse layers and the tokens of a micro-batch. f_e (no gradient) is
-  counted over the micro-batch of every data-parallel and tensor-parallel rank, and the mean of the
-  ranks' P_e is the global one, so the loss of a micro-batch is the same whatever the layout.
+  counted over the micro-batch of every data-parallel, context-parallel and tensor-parallel rank, and
+  the mean of the ranks' P_e is the global one, so the loss of a micro-batch is the same whatever the
+  layout (a cp rank routes its pieces of each sequence as a dp rank its sequences: both are ranks
+  whose tokens differ, over which FSDP averages the gradients).
 - `moe.bias_update_rate`: DeepSeek-V3's auxiliary-loss-free balancing. After each optimizer step every
   expert's routing bias moves by rate * sign(mean load - its load), from the tokens all data-parallel
-  (and tensor-parallel) ranks sent it during the step: the same bias on every rank.
+  (context-parallel and tensor-parallel) ranks sent it during the step: the same bias on every rank.
 """
 
 import torch
@@ -20,9 +22,10 @@ from torchtitan.models.moe import MoE
 
 
 class LoadBalance:
-    """The MoE layers of this rank's model parts and what balances them; `dp`: the data-parallel mesh
-    (None without data parallelism), `pp`: the pipeline mesh, `tp`: the tensor-parallel mesh, whose
-    ranks each route their own sequence shard of the batch (torchtitan/models/llama/tp_plan.py)."""
+    """The MoE layers of this rank's model parts and what balances them; `dp`: the mesh of the ranks
+    whose tokens differ, data-parallel x context-parallel (Meshes.dp_cp; None on one such rank), `pp`:
+    the pipeline mesh, `tp`: the tensor-parallel mesh, whose ranks each route their own sequence shard
+    of the batch (torchtitan/models/llama/tp_plan.py)."""
 
     def __init__(
         self,
