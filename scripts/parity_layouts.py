@@ -134,8 +134,12 @@ LLAMA_BLOCK = (*LONG, *BLOCK_CAUSAL)
 QWEN3_BLOCK = (*QWEN3_LONG, *BLOCK_CAUSAL)
 QWEN3_CP_CI_BLOCK = (*QWEN3_CP_CI, *BLOCK_CAUSAL)
 QWEN3_MOE_BLOCK = (*QWEN3_MOE, *BLOCK_CAUSAL)
+# DeepSeek-V3's sequence-wise balance loss (docs/moe.md), weighted 100 x DeepSeek's alpha so that a wrong
+# reduction of it shows in the losses.
+SEQUENCE_AUX = ("--moe.sequence_aux_loss_coeff", "0.01")
 # DeepSeek-V3's debug flavour (MLA with a q LoRA and YaRN, sigmoid routing in 2 groups, a shared expert,
-# a dense first layer), both balancing methods on, on packed documents attending within themselves.
+# a dense first layer), every balancing method on (the batch-wise auxiliary loss, DeepSeek-V3's routing
+# bias and its sequence-wise loss), on packed documents attending within themselves.
 DEEPSEEK_V3 = (
     "--model.name",
     "deepseek_v3",
@@ -143,6 +147,7 @@ DEEPSEEK_V3 = (
     "assets/tokenizer/kjv_bpe_hf",
     "--moe.bias_update_rate",
     "0.01",
+    *SEQUENCE_AUX,
     *BLOCK_CAUSAL,
 )
 DEEPSEEK_V3_PLAIN_Q = (*DEEPSEEK_V3, "--model.flavor", "debugmodel_plain_q")

@@ -143,8 +143,9 @@ ONE_MOE_BLOCK = {
 @pytest.mark.parametrize("name", ONE_MOE_BLOCK)
 def test_moe_blocks_compile_whole(name):
     """Without expert parallelism an MoE block compiles as one graph (fullgraph: attention, router,
-    dispatch, grouped experts, combine), activation-checkpointed too, and trains as eager does; its tokens
-    are counted once, though checkpointing recomputes the forward."""
+    dispatch, grouped experts, combine, the sequence-wise balance loss's statistics), activation-
+    checkpointed too, and trains as eager does; its tokens are counted once, though checkpointing
+    recomputes the forward."""
     from torchtitan.parallelisms.parallelize import apply_ac, apply_compile
 
     args = ONE_MOE_BLOCK[name]
@@ -157,8 +158,10 @@ def test_moe_blocks_compile_whole(name):
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
             apply_compile(model, fullgraph=True)
+        balance = LoadBalance([model], MoEConfig(aux_loss_coef=0.0, sequence_aux_loss_coeff=0.1), None, None)
         tokens = torch.randint(0, args.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
-        F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        (loss + 0.1 * balance.sequence_aux_loss()).backward()
         models.append(model)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     for eager, compiled in zip(*(m.parameters() for m in models)):

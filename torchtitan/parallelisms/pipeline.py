@@ -72,15 +72,21 @@ class _Stage(PipelineStage):
     """torch's PipelineStage whose first-step shape inference, a real forward (and backward) on the
     first micro-batch or on uninitialised tensors, leaves the model's buffers as they were: a
     mixture-of-experts layer counts the tokens its experts take in one (torchtitan/models/moe.py).
-    `inferring` tells the loss that it runs for the inference, not for a step."""
+    `inferring` tells the loss that it runs for the inference, not for a step, as the stage model's
+    own `inferring` tells a RouterStatsStage."""
 
     inferring = False
 
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
         saved = [(buffer, buffer._version, buffer.clone()) for buffer in self.submod.buffers()]
+        stats_stage = isinstance(self.submod, RouterStatsStage)
+        if stats_stage:
+            self.submod.inferring = True
         try:
             return super()._forward_metadata_inference(*args, **kwargs)
         finally:
+            if stats_stage:
+                self.submod.inferring = False
             with torch.no_grad():  # only those it wrote to: autograd saved the others (RoPE's) as they are
                 for buffer, version, value in saved:
                     if buffer._version != version:
@@ -110,6 +116,7 @@ class RouterStatsStage(nn.Module):
         self.pooled, self.sequence = pooled, sequence
         self.moe_layers = [m for m in part.modules() if isinstance(m, MoE)]
         self.pipeline: Pipeline | None = None  # set once built: its sequence_loss
+        self.inferring = False  # the first step's shape inference (_Stage): no loss to count
 
     def forward(
         self, x: torch.Tensor, *router_stats: torch.Tensor, **kwargs: Any
@@ -138,7 +145,10 @@ class RouterStatsStage(nn.Module):
                 if router_stats
                 else torch.zeros(1, device=x.device, requires_grad=grad)
             )
-            if self.pipeline is not None and self.pipeline.sequence_loss is not None:
+            if self.inferring or self.pipeline is None or self.pipeline.sequence_loss is None:
+                for layer in self.moe_layers:
+                    layer.sequence_stats = None
+            else:
                 loss = loss + self.pipeline.sequence_loss(self.moe_layers)
             stats.append(loss)
         return out, *stats
