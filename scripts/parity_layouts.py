@@ -151,6 +151,11 @@ DEEPSEEK_V3 = (
     *BLOCK_CAUSAL,
 )
 DEEPSEEK_V3_PLAIN_Q = (*DEEPSEEK_V3, "--model.flavor", "debugmodel_plain_q")
+# DeepSeek-V3's own balancing (the bias and the sequence-wise loss), and Qwen3-MoE's with the sequence-wise
+# loss alone: neither depends on how a batch is split into micro-batches, so each layout below is compared
+# with one process on the whole batch.
+DEEPSEEK_V3_OWN = (*DEEPSEEK_V3, "--moe.aux_loss_coef", "0")
+QWEN3_MOE_SEQUENCE = (*QWEN3_MOE, "--moe.aux_loss_coef", "0", *SEQUENCE_AUX)
 
 MATRIX = [
     Layout("FSDP 2", 2, 2, 4),
@@ -294,6 +299,32 @@ MATRIX = [
     Layout("DeepSeek-V3, block_causal: PP 2, 1F1B", 2, 4, 4, pp(2), DEEPSEEK_V3, reference_microbatch=2),
     Layout("DeepSeek-V3, block_causal: HSDP 2x2 + AC full", 4, 1, 4, replicate(2) + AC_FULL, DEEPSEEK_V3),
     Layout("DeepSeek-V3, block_causal: compile + AC selective op", 1, 4, 4, COMPILE + AC_OP, DEEPSEEK_V3),
+    Layout(
+        "DeepSeek-V3 bias + sequence-wise, block_causal: FSDP 2 + GA 2 + AC full",
+        2,
+        1,
+        4,
+        AC_FULL,
+        DEEPSEEK_V3_OWN,
+    ),
+    Layout("DeepSeek-V3 bias + sequence-wise, block_causal: EP 2 + GA 2", 2, 1, 4, ep(2), DEEPSEEK_V3_OWN),
+    Layout(
+        "Qwen3-MoE sequence-wise: PP 2, InterleavedZeroBubble",
+        2,
+        4,
+        4,
+        pp(2, "InterleavedZeroBubble"),
+        QWEN3_MOE_SEQUENCE,
+    ),
+    Layout(
+        "Qwen3-MoE aux + sequence-wise: PP 2, Interleaved1F1B",
+        2,
+        4,
+        4,
+        pp(2, "Interleaved1F1B"),
+        (*QWEN3_MOE, *SEQUENCE_AUX),
+        reference_microbatch=1,
+    ),
     # Muon: each rank gathers the matrices it holds a shard or slice of (docs/optimizers.md).
     Layout("Muon: FSDP 2", 2, 2, 4, model=MUON),
     Layout("Muon: TP 2", 2, 4, 4, tp(2), MUON),
