@@ -1,4 +1,4 @@
-"""Expert load balancing for mixture-of-experts models (torchtitan/models/moe.py), both optional:
+"""Expert load balancing for mixture-of-experts models (torchtitan/models/moe.py), each optional:
 
 - `moe.aux_loss_coef`: the auxiliary loss of transformers' Qwen3-MoE, num_experts * sum_e f_e * P_e,
   where f_e is the share of (token, choice) assignments that went to expert e and P_e its mean router
@@ -26,7 +26,8 @@ from torchtitan.models.moe import MoE, sequence_balance
 class LoadBalance:
     """The MoE layers of this rank's model parts and what balances them; `dp`: the data-parallel mesh
     (None without data parallelism), `pp`: the pipeline mesh, `tp`: the tensor-parallel mesh, whose
-    ranks each route their own sequence shard of the batch (torchtitan/models/llama/tp_plan.py)."""
+    ranks each route their own sequence shard of the batch (torchtitan/models/llama/tp_plan.py), `cp`:
+    the context-parallel mesh, whose ranks each route their own pieces of every sequence."""
 
     def __init__(
         self,
@@ -145,7 +146,7 @@ class LoadBalance:
     def _sequence_metric(self, device: torch.device) -> torch.Tensor:
         """The step's sequence-wise balance loss (without its weight), the mean over the sparse layers,
         the micro-batches and the global batch's sequences: 1.0 when every sequence spreads its tokens
-        and scores evenly over the experts. The same on every rank."""
+        evenly over the experts. The same on every rank."""
         total, pairs = self.sequence_losses
         total = total.to(device)
         for group in self.sequence_groups:  # the tp and cp ranks' shares of the sequences' losses

@@ -4,14 +4,14 @@ A router scores each token against every expert (in float32, whatever the parame
 top-k experts (chosen on the scores plus a balancing bias) each run a SwiGLU on it, and the token's
 output is their outputs weighted by its scores for them, plus an optional always-on shared expert.
 
-Two ways to keep the experts evenly loaded, each optional (torchtitan/load_balance.py runs them):
+Three ways to keep the experts evenly loaded, each optional (torchtitan/load_balance.py runs them):
 - the auxiliary loss of the Switch Transformer as transformers' Qwen3-MoE computes it: each forward
   keeps, per layer, how many tokens went to each expert and the sum of their router probabilities;
 - DeepSeek-V3's auxiliary-loss-free bias (`expert_bias`, a buffer saved in checkpoints): added to the
   scores for choosing the experts only, and moved after each optimizer step against the load counted
-  in `tokens_per_expert`.
-DeepSeek-V3's sequence-wise balance loss (`sequence_balance`) complements the bias: each forward keeps,
-per layer and per sequence (a row of the batch), the same two statistics.
+  in `tokens_per_expert`;
+- DeepSeek-V3's sequence-wise balance loss (`sequence_balance`), which complements the bias: each
+  forward keeps the same two statistics per layer and per sequence (a row of the batch).
 """
 
 import torch
