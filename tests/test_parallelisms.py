@@ -431,9 +431,9 @@ SEQUENCE_AUX = 0.1
 
 def _moe_step(model: nn.Module, tokens: torch.Tensor, dp_mesh, worst_case: bool, tp_mesh=None) -> tuple:
     """One step's loss (the mean over the data-parallel ranks), auxiliary losses (the batch-wise and
-    the sequence-wise one, their logged metrics) and full gradients of a Qwen3-MoE, the losses'
-    statistics over `dp_mesh`'s and `tp_mesh`'s ranks; `worst_case`: every token routed to the experts
-    of the first EP rank."""
+    the sequence-wise one, their logged metrics) and full gradients of a mixture-of-experts model, the
+    losses' statistics over `dp_mesh`'s and `tp_mesh`'s ranks; `worst_case`: every token routed to the
+    experts of the first EP rank."""
     if worst_case:
         with torch.no_grad():
             for moe in (m for m in model.modules() if isinstance(m, MoE)):
@@ -586,6 +586,16 @@ def _mesh_worker(rank: int, world_size: int, tmp_dir: str) -> None:
         dp_rank = mesh["dp_shard"].get_local_rank()
         tokens = moe_batch[dp_rank : dp_rank + 1]
         results["moe_ep_tp"] = _moe_step(model, tokens, mesh["dp_shard"], False, mesh["tp"])
+        # DeepSeek-V3 (sigmoid scores in groups, a shared expert, MLA) on FSDP 2 x TP 2: each tp rank
+        # routes its half of its dp rank's sequence.
+        dims = ParallelDims(dp_shard=2, tp=2, world_size=4, enable_loss_parallel=False)
+        mesh = dims.build_mesh("cpu")
+        config = _config(tensor_parallel_degree=2, enable_loss_parallel=False)
+        config.model.name = "deepseek_v3"
+        model = _build(DSV3_TINY, mesh, dims, config, DeepSeekV3Transformer)
+        dp_rank = mesh["dp_shard"].get_local_rank()
+        tokens = moe_batch[dp_rank : dp_rank + 1]
+        results["moe_dsv3_tp"] = _moe_step(model, tokens, mesh["dp_shard"], False, mesh["tp"])
         # The sequence-wise balance loss under CP 2 x FSDP 2: each sequence's counts over its cp ranks.
         dims = ParallelDims(dp_shard=2, cp=2, world_size=4)
         results["moe_cp_sequence_loss"] = _sequence_loss_step(dims.build_mesh("cpu"), dims)
@@ -839,6 +849,23 @@ def test_expert_parallel_step_matches_single_process(mesh_results, case):
     assert ep_grads.keys() == grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(ep_grads[name], grad, rtol=0, atol=1e-6, msg=name)
+
+
+def test_deepseek_v3_moe_step_on_fsdp_tp_matches_single_process(mesh_results):
+    """FSDP 2 x TP 2, DeepSeek-V3 (MLA, sigmoid routing in groups, a shared expert), every balancing
+    loss on: each tp rank routes half of its dp rank's sequence, so the sequence-wise loss sums each
+    sequence's counts over its tp ranks; the loss, the logged auxiliary losses and every gradient are one
+    process's on the 2 sequences within 1e-6."""
+    model = _build(DSV3_TINY, None, None, None, DeepSeekV3Transformer)
+    moe_batch = torch.randint(0, MOE_TINY.vocab_size, (4, 17), generator=torch.Generator().manual_seed(2))
+    loss, aux_loss, sequence_loss, grads = _moe_step(model, moe_batch[:2], None, False)
+    tp_loss, tp_aux_loss, tp_sequence_loss, tp_grads = mesh_results["moe_dsv3_tp"]
+    assert sequence_loss > 1.0
+    for got, want in ((tp_loss, loss), (tp_aux_loss, aux_loss), (tp_sequence_loss, sequence_loss)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert tp_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(tp_grads[name], grad, rtol=0, atol=1e-6, msg=name)
 
 
 def test_sequence_balance_loss_under_context_parallelism_matches_single_process(mesh_results):
