@@ -135,8 +135,12 @@ QWEN3_BLOCK = (*QWEN3_LONG, *BLOCK_CAUSAL)
 QWEN3_CP_CI_BLOCK = (*QWEN3_CP_CI, *BLOCK_CAUSAL)
 QWEN3_MOE_BLOCK = (*QWEN3_MOE, *BLOCK_CAUSAL)
 QWEN3_MOE_BLOCK_BOTH = (*QWEN3_MOE_BOTH, *BLOCK_CAUSAL)
+# DeepSeek-V3's sequence-wise balance loss (docs/moe.md), weighted 100 x DeepSeek's alpha so that a wrong
+# reduction of it shows in the losses.
+SEQUENCE_AUX = ("--moe.sequence_aux_loss_coeff", "0.01")
 # DeepSeek-V3's debug flavour (MLA with a q LoRA and YaRN, sigmoid routing in 2 groups, a shared expert,
-# a dense first layer), both balancing methods on, on packed documents attending within themselves.
+# a dense first layer), every balancing method on (the batch-wise auxiliary loss, DeepSeek-V3's routing
+# bias and its sequence-wise loss), on packed documents attending within themselves.
 DEEPSEEK_V3 = (
     "--model.name",
     "deepseek_v3",
@@ -144,9 +148,15 @@ DEEPSEEK_V3 = (
     "assets/tokenizer/kjv_bpe_hf",
     "--moe.bias_update_rate",
     "0.01",
+    *SEQUENCE_AUX,
     *BLOCK_CAUSAL,
 )
 DEEPSEEK_V3_PLAIN_Q = (*DEEPSEEK_V3, "--model.flavor", "debugmodel_plain_q")
+# DeepSeek-V3's own balancing (the bias and the sequence-wise loss), and Qwen3-MoE's with the sequence-wise
+# loss alone: neither depends on how a batch is split into micro-batches, so each layout below is compared
+# with one process on the whole batch.
+DEEPSEEK_V3_OWN = (*DEEPSEEK_V3, "--moe.aux_loss_coef", "0")
+QWEN3_MOE_SEQUENCE = (*QWEN3_MOE, "--moe.aux_loss_coef", "0", *SEQUENCE_AUX)
 
 MATRIX = [
     Layout("FSDP 2", 2, 2, 4),
@@ -306,6 +316,32 @@ MATRIX = [
         DEEPSEEK_V3,
     ),
     Layout("Qwen3-MoE bias: PP 2 x CP 2, 1F1B", 4, 4, 4, pp(2) + cp(2), QWEN3_MOE_BIAS),
+    Layout(
+        "DeepSeek-V3 bias + sequence-wise, block_causal: FSDP 2 + GA 2 + AC full",
+        2,
+        1,
+        4,
+        AC_FULL,
+        DEEPSEEK_V3_OWN,
+    ),
+    Layout("DeepSeek-V3 bias + sequence-wise, block_causal: EP 2 + GA 2", 2, 1, 4, ep(2), DEEPSEEK_V3_OWN),
+    Layout(
+        "Qwen3-MoE sequence-wise: PP 2, InterleavedZeroBubble",
+        2,
+        4,
+        4,
+        pp(2, "InterleavedZeroBubble"),
+        QWEN3_MOE_SEQUENCE,
+    ),
+    Layout(
+        "Qwen3-MoE aux + sequence-wise: PP 2, Interleaved1F1B",
+        2,
+        4,
+        4,
+        pp(2, "Interleaved1F1B"),
+        (*QWEN3_MOE, *SEQUENCE_AUX),
+        reference_microbatch=1,
+    ),
     # Muon: each rank gathers the matrices it holds a shard or slice of (docs/optimizers.md).
     Layout("Muon: FSDP 2", 2, 2, 4, model=MUON),
     Layout("Muon: TP 2", 2, 4, 4, tp(2), MUON),

@@ -120,7 +120,7 @@ def run_layout(layout: Layout, folder: Path, steps: int, reference: list[dict]) 
     result.max_loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(reference, metrics))
     result.max_grad_norm_diff = max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(reference, metrics))
     result.step1_loss_diff = abs(reference[0]["loss"] - metrics[0]["loss"])
-    for key in ("aux_loss", "expert_load"):
+    for key in ("aux_loss", "seq_aux_loss", "expert_load"):
         if any((key in a) != (key in b) for a, b in zip(reference, metrics)):
             result.error = f"{key} is logged by one run and not the other"
             return result

@@ -538,6 +538,29 @@ CASES = [
         env={"WORLD_SIZE": "4"},
     ),
     Case(
+        "MoE sequence-wise balance loss under PP with replicas alone",
+        args(
+            "--model.name",
+            "deepseek_v3",
+            "--moe.aux_loss_coef",
+            "0",
+            "--moe.sequence_aux_loss_coeff",
+            "0.0001",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+        ),
+        "moe.sequence_aux_loss_coeff: deepseek_v3's auxiliary loss under pipeline parallelism needs FSDP or "
+        "no data parallelism, not replicas alone (DDP)",
+        env={"WORLD_SIZE": "4"},
+    ),
+    Case(
+        "MoE sequence-wise balance loss negative",
+        args("--model.name", "deepseek_v3", "--moe.sequence_aux_loss_coeff", "-0.0001"),
+        "--moe.sequence_aux_loss_coeff: -0.0001 is below the minimum 0.0",
+    ),
+    Case(
         "EP on a dense model",
         args("--parallelism.expert_parallel_degree", "2"),
         "parallelism.expert_parallel_degree: llama3 has no experts to split; use 1",

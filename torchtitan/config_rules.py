@@ -121,7 +121,7 @@ def check_tied_pipeline(job_config: JobConfig, model_args: ModelArgs) -> None:
 def check_moe(job_config: JobConfig, parallel_dims: ParallelDims, model_args: ModelArgs) -> None:
     """Expert parallelism splits a mixture-of-experts model's experts evenly; what such a model cannot run
     with yet: TP without FSDP (its layers' gradients are summed over the tp ranks by FSDP), and its
-    auxiliary loss under PP with replicas alone (the stages pass its statistics on through FSDP's
+    auxiliary losses under PP with replicas alone (the stages pass their statistics on through FSDP's
     unit, parallelisms/pipeline.py)."""
     name = job_config.model.name
     if not model_spec(job_config.model).moe:
@@ -149,13 +149,18 @@ def check_moe(job_config: JobConfig, parallel_dims: ParallelDims, model_args: Mo
             "tensor_parallel_degree 1"
         )
     ddp = parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled
-    if parallel_dims.pp_enabled and job_config.moe.aux_loss_coef and ddp:
-        raise ConfigError(
-            f"moe.aux_loss_coef: {name}'s auxiliary loss under pipeline parallelism needs FSDP or no "
-            "data parallelism, not replicas alone (DDP); use data_parallel_shard_degree instead of "
-            "data_parallel_replicate_degree, or balance with moe.aux_loss_coef 0 and "
-            "moe.bias_update_rate (e.g. 0.001)"
-        )
+    moe = job_config.moe
+    for option, coef in (
+        ("aux_loss_coef", moe.aux_loss_coef),
+        ("sequence_aux_loss_coeff", moe.sequence_aux_loss_coeff),
+    ):
+        if parallel_dims.pp_enabled and coef and ddp:
+            raise ConfigError(
+                f"moe.{option}: {name}'s auxiliary loss under pipeline parallelism needs FSDP or no "
+                "data parallelism, not replicas alone (DDP); use data_parallel_shard_degree instead of "
+                f"data_parallel_replicate_degree, or balance with moe.{option} 0 and "
+                "moe.bias_update_rate (e.g. 0.001)"
+            )
 
 
 def check_routing_and_latents(job_config: JobConfig, model_args: ModelArgs) -> None:
