@@ -134,8 +134,13 @@ LLAMA_BLOCK = (*LONG, *BLOCK_CAUSAL)
 QWEN3_BLOCK = (*QWEN3_LONG, *BLOCK_CAUSAL)
 QWEN3_CP_CI_BLOCK = (*QWEN3_CP_CI, *BLOCK_CAUSAL)
 QWEN3_MOE_BLOCK = (*QWEN3_MOE, *BLOCK_CAUSAL)
+QWEN3_MOE_BLOCK_BOTH = (*QWEN3_MOE_BOTH, *BLOCK_CAUSAL)
+# DeepSeek-V3's sequence-wise balance loss (docs/moe.md), weighted 100 x DeepSeek's alpha so that a wrong
+# reduction of it shows in the losses.
+SEQUENCE_AUX = ("--moe.sequence_aux_loss_coeff", "0.01")
 # DeepSeek-V3's debug flavour (MLA with a q LoRA and YaRN, sigmoid routing in 2 groups, a shared expert,
-# a dense first layer), both balancing methods on, on packed documents attending within themselves.
+# a dense first layer), every balancing method on (the batch-wise auxiliary loss, DeepSeek-V3's routing
+# bias and its sequence-wise loss), on packed documents attending within themselves.
 DEEPSEEK_V3 = (
     "--model.name",
     "deepseek_v3",
@@ -143,9 +148,15 @@ DEEPSEEK_V3 = (
     "assets/tokenizer/kjv_bpe_hf",
     "--moe.bias_update_rate",
     "0.01",
+    *SEQUENCE_AUX,
     *BLOCK_CAUSAL,
 )
 DEEPSEEK_V3_PLAIN_Q = (*DEEPSEEK_V3, "--model.flavor", "debugmodel_plain_q")
+# DeepSeek-V3's own balancing (the bias and the sequence-wise loss), and Qwen3-MoE's with the sequence-wise
+# loss alone: neither depends on how a batch is split into micro-batches, so each layout below is compared
+# with one process on the whole batch.
+DEEPSEEK_V3_OWN = (*DEEPSEEK_V3, "--moe.aux_loss_coef", "0")
+QWEN3_MOE_SEQUENCE = (*QWEN3_MOE, "--moe.aux_loss_coef", "0", *SEQUENCE_AUX)
 # DeepSeek-V3 with one multi-token prediction depth (docs/objectives.md): its loss per depth (mtp_loss_1) is
 # compared too; the depth's block is a mixture of experts.
 DEEPSEEK_V3_MTP = (*DEEPSEEK_V3, "--model.mtp_layers", "1")
@@ -297,6 +308,48 @@ MATRIX = [
     Layout("DeepSeek-V3, block_causal: PP 2, 1F1B", 2, 4, 4, pp(2), DEEPSEEK_V3, reference_microbatch=2),
     Layout("DeepSeek-V3, block_causal: HSDP 2x2 + AC full", 4, 1, 4, replicate(2) + AC_FULL, DEEPSEEK_V3),
     Layout("DeepSeek-V3, block_causal: compile + AC selective op", 1, 4, 4, COMPILE + AC_OP, DEEPSEEK_V3),
+    # Context parallelism with a mixture of experts: the cp ranks route their own tokens (expert counts,
+    # the auxiliary loss's statistics and the gradients over dp x cp); MLA gathers its latents.
+    Layout("DeepSeek-V3, block_causal: CP 2", 2, 4, 4, cp(2), DEEPSEEK_V3),
+    Layout("DeepSeek-V3, block_causal: CP 2 x EP 2", 4, 2, 4, cp(2) + ep(2), DEEPSEEK_V3),
+    Layout("Qwen3-MoE: CP 2", 2, 4, 4, cp(2), QWEN3_MOE),
+    Layout("Qwen3-MoE aux + bias, block_causal: CP 2 x TP 2", 4, 4, 4, cp(2) + tp(2), QWEN3_MOE_BLOCK_BOTH),
+    Layout("DeepSeek-V3 plain q, block_causal: CP 2", 2, 4, 4, cp(2), DEEPSEEK_V3_PLAIN_Q),
+    Layout(
+        "DeepSeek-V3, block_causal: CP 2 + compile + AC selective op",
+        2,
+        4,
+        4,
+        cp(2) + COMPILE + AC_OP,
+        DEEPSEEK_V3,
+    ),
+    Layout("Qwen3-MoE bias: PP 2 x CP 2, 1F1B", 4, 4, 4, pp(2) + cp(2), QWEN3_MOE_BIAS),
+    Layout(
+        "DeepSeek-V3 bias + sequence-wise, block_causal: FSDP 2 + GA 2 + AC full",
+        2,
+        1,
+        4,
+        AC_FULL,
+        DEEPSEEK_V3_OWN,
+    ),
+    Layout("DeepSeek-V3 bias + sequence-wise, block_causal: EP 2 + GA 2", 2, 1, 4, ep(2), DEEPSEEK_V3_OWN),
+    Layout(
+        "Qwen3-MoE sequence-wise: PP 2, InterleavedZeroBubble",
+        2,
+        4,
+        4,
+        pp(2, "InterleavedZeroBubble"),
+        QWEN3_MOE_SEQUENCE,
+    ),
+    Layout(
+        "Qwen3-MoE aux + sequence-wise: PP 2, Interleaved1F1B",
+        2,
+        4,
+        4,
+        pp(2, "Interleaved1F1B"),
+        (*QWEN3_MOE, *SEQUENCE_AUX),
+        reference_microbatch=1,
+    ),
     Layout("DeepSeek-V3 MTP: FSDP 2", 2, 2, 4, model=DEEPSEEK_V3_MTP),
     Layout("DeepSeek-V3 MTP: EP 2", 2, 2, 4, ep(2), DEEPSEEK_V3_MTP),
     Layout("DeepSeek-V3 MTP: EP 2 x TP 2", 4, 2, 4, ep(2) + tp(2), DEEPSEEK_V3_MTP_TP),
@@ -318,6 +371,11 @@ MATRIX = [
     Layout("DeepSeek-V3 MTP: compile + AC selective op", 1, 4, 4, COMPILE + AC_OP, DEEPSEEK_V3_MTP),
     Layout("DeepSeek-V3 MTP: HSDP 2x2 + AC full", 4, 1, 4, replicate(2) + AC_FULL, DEEPSEEK_V3_MTP),
     Layout("DeepSeek-V3 MTP: DDP 2", 2, 2, 4, replicate(2), DEEPSEEK_V3_MTP),
+    Layout("DeepSeek-V3 MTP: CP 2", 2, 4, 4, cp(2), DEEPSEEK_V3_MTP),
+    Layout("DeepSeek-V3 MTP: CP 2 x EP 2", 4, 2, 4, cp(2) + ep(2), DEEPSEEK_V3_MTP),
+    Layout(
+        "DeepSeek-V3 MTP: PP 2 x CP 2, 1F1B", 4, 4, 4, pp(2) + cp(2), DEEPSEEK_V3_MTP, reference_microbatch=2
+    ),
     # Muon: each rank gathers the matrices it holds a shard or slice of (docs/optimizers.md).
     Layout("Muon: FSDP 2", 2, 2, 4, model=MUON),
     Layout("Muon: TP 2", 2, 4, 4, tp(2), MUON),

@@ -123,7 +123,7 @@ def run_layout(layout: Layout, folder: Path, steps: int, reference: list[dict]) 
     result.step1_loss_diff = abs(reference[0]["loss"] - metrics[0]["loss"])
     # Multi-token prediction's loss per depth (mtp_loss_1, ...) is compared with the experts' metrics.
     mtp_keys = sorted({key for record in reference for key in record if key.startswith("mtp_loss_")})
-    for key in ("aux_loss", "expert_load", *mtp_keys):
+    for key in ("aux_loss", "seq_aux_loss", "expert_load", *mtp_keys):
         if any((key in a) != (key in b) for a, b in zip(reference, metrics)):
             result.error = f"{key} is logged by one run and not the other"
             return result

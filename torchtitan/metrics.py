@@ -178,8 +178,8 @@ class MetricLogger:
     ) -> None:
         """Log the window that ends at `step`; `skipped_steps` counts the steps so far whose
         non-finite gradients were dropped; `source_tokens`: a mixture's tokens per source so far; `moe`:
-        a mixture-of-experts model's `expert_load` and `aux_loss` of the step (torchtitan/load_balance.py),
-        and multi-token prediction's `mtp_loss_k` per depth (train_step.py);
+        a mixture-of-experts model's `expert_load`, `aux_loss` and `seq_aux_loss` of the step
+        (torchtitan/load_balance.py), and multi-token prediction's `mtp_loss_k` per depth (train_step.py);
         `trained_tokens`: chat data's tokens with a target in the step's global batch (tps counts all)."""
         now = time.perf_counter()
         step_time, steps = now - self._window_start, max(self._window_steps, 1)
@@ -225,6 +225,7 @@ class MetricLogger:
             f"{c.green}loss: {record['loss']:7.4f}  "
             f"{c.yellow}grad_norm: {record['grad_norm']:7.4f}  "
             + (f"aux_loss: {record['aux_loss']:.4f}  " if "aux_loss" in record else "")
+            + (f"seq_aux_loss: {record['seq_aux_loss']:.4f}  " if "seq_aux_loss" in record else "")
             + (f"expert_load: {record['expert_load']:.2f}  " if "expert_load" in record else "")
             + "".join(f"{key}: {value:.4f}  " for key, value in record.items() if key.startswith("mtp_loss_"))
             + f"{c.gray}lr: {record['lr']:.2e}  "

@@ -78,28 +78,30 @@ def worker_failures_in_one_line() -> Iterator[None]:
     is not yet seen dead: that also becomes the worker's DataLoaderError."""
     try:
         yield
-    except RuntimeError as e:
-        match = _DEAD_WORKER.search(str(e))
-        if match is None or int(match[1]) not in _workers:
-            raise
-        raise _worker_died(int(match[1])) from e
-    except (ConnectionError, EOFError) as e:
-        pid = _dead_worker()
+    except (RuntimeError, ConnectionError, EOFError) as e:
+        pid = _failed_worker(e)
         if pid is None:
             raise
         raise _worker_died(pid) from e
 
 
-def _dead_worker(wait: float = 1.0) -> int | None:
-    """The pid of a worker of this process that failed, seen within `wait` seconds: its socket closes as
-    it dies, a moment before its exit code is there to read."""
+def _failed_worker(error: BaseException, wait: float = 1.0) -> int | None:
+    """The pid of the worker of this process whose death `error` reports: named by torch's RuntimeError,
+    or, after a broken connection, the worker seen failed within `wait` seconds (its socket closes as it
+    dies, a moment before its exit code is there to read; torch's SIGCHLD handler may name it first)."""
+    if isinstance(error, RuntimeError):
+        match = _DEAD_WORKER.search(str(error))
+        return int(match[1]) if match is not None and int(match[1]) in _workers else None
     deadline = time.monotonic() + wait
-    while True:
-        # torch leaves a dead worker unreaped, or has reaped it through the process object.
-        failed = [pid for pid, (_, process) in _workers.items() if process.exitcode not in (None, 0)]
-        if failed or time.monotonic() > deadline:
-            return failed[0] if failed else None
-        time.sleep(0.01)
+    try:
+        while True:
+            # torch leaves a dead worker unreaped, or has reaped it through the process object.
+            failed = [pid for pid, (_, process) in _workers.items() if process.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                return failed[0] if failed else None
+            time.sleep(0.01)
+    except RuntimeError as e:
+        return _failed_worker(e)
 
 
 def _worker_died(pid: int) -> DataLoaderError:

@@ -42,13 +42,16 @@ StageLoss = Callable[[nn.Module | None, torch.Tensor, torch.Tensor], torch.Tenso
 class Pipeline:
     """This rank's part of a pipeline: the schedule that runs its stages, and whether it holds the
     model's ends (the first stage takes the tokens; only the last stage computes the loss).
-    `aux_loss((token, choice) counts, router probability sums)`, pooled over every stage's sparse
-    layers: the auxiliary loss the last stage adds to each micro-batch's (set by the train step)."""
+    `aux_loss(*router statistics)`, from what the stages pass on (RouterStatsStage): the auxiliary
+    losses the last stage adds to each micro-batch's (set by the train step); `sequence_loss(a stage's
+    mixture-of-experts layers)`: the sequence-wise balance loss of their forward, which each stage adds
+    to what it passes on (set by the train step)."""
 
     schedule: _PipelineSchedule
     has_first_stage: bool
     has_last_stage: bool
-    aux_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    aux_loss: Callable[..., torch.Tensor] | None = None
+    sequence_loss: Callable[[list[MoE]], torch.Tensor] | None = None
     # Multi-token prediction: `mtp_loss(last stage's model, the depths' outputs, their labels)`, the
     # weighted MTP loss the last stage adds to each training micro-batch's (set by the train step).
     mtp_loss: Callable[[nn.Module, tuple, torch.Tensor], torch.Tensor] | None = None
@@ -74,15 +77,21 @@ class _Stage(PipelineStage):
     """torch's PipelineStage whose first-step shape inference, a real forward (and backward) on the
     first micro-batch or on uninitialised tensors, leaves the model's buffers as they were: a
     mixture-of-experts layer counts the tokens its experts take in one (torchtitan/models/moe.py).
-    `inferring` tells the loss that it runs for the inference, not for a step."""
+    `inferring` tells the loss that it runs for the inference, not for a step, as the stage model's
+    own `inferring` tells a RouterStatsStage."""
 
     inferring = False
 
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
         saved = [(buffer, buffer._version, buffer.clone()) for buffer in self.submod.buffers()]
+        stats_stage = isinstance(self.submod, RouterStatsStage)
+        if stats_stage:
+            self.submod.inferring = True
         try:
             return super()._forward_metadata_inference(*args, **kwargs)
         finally:
+            if stats_stage:
+                self.submod.inferring = False
             with torch.no_grad():  # only those it wrote to: autograd saved the others (RoPE's) as they are
                 for buffer, version, value in saved:
                     if buffer._version != version:
@@ -99,35 +108,56 @@ class _Stage(PipelineStage):
 class RouterStatsStage(nn.Module):
     """A stage's model that passes its micro-batch's router statistics on to the next stage: the
     auxiliary loss pools every sparse layer's (torchtitan/load_balance.py), which the stages hold
-    apart. Beside the activations travel the (token, choice) counts per expert (integers: no
+    apart. Beside the activations travel (`pooled`) the (token, choice) counts per expert (integers: no
     gradient) and the sums of router probabilities per expert (float32, with their gradient: the last
-    stage's auxiliary loss sends each stage's router its share back through the pipeline)."""
+    stage's auxiliary loss sends each stage's router its share back through the pipeline), and
+    (`sequence`) the sequence-wise balance loss of the stages so far, a sum over their layers (float32,
+    shape (1,), with its gradient), to which each stage adds its own layers'."""
 
-    def __init__(self, part: nn.Module, num_experts: int) -> None:
+    def __init__(self, part: nn.Module, num_experts: int, pooled: bool = True, sequence: bool = False):
         super().__init__()
         self.part = part
         self.num_experts = num_experts
+        self.pooled, self.sequence = pooled, sequence
+        self.n_stats = 2 * pooled + sequence  # what travels after the activations
         self.moe_layers = [m for m in part.modules() if isinstance(m, MoE)]
+        self.pipeline: Pipeline | None = None  # set once built: its sequence_loss
+        self.inferring = False  # the first step's shape inference (_Stage): no loss to count
 
     def forward(self, *args: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, ...]:
         # The first stage takes the tokens; the others the previous stage's activations (the hidden
-        # states, and multi-token prediction's embeddings), then the statistics.
-        activations, router_stats = (args[:-2], args[-2:]) if len(args) > 1 else (args, ())
-        if router_stats:
-            counts, prob_sums = router_stats
-            prob_sums = prob_sums.clone()
-        else:  # the first stage: a leaf that needs a gradient, as the stage's outputs must
-            device = activations[0].device
-            counts = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
-            prob_sums = torch.zeros(self.num_experts, device=device, requires_grad=torch.is_grad_enabled())
+        # states, and multi-token prediction's embeddings), then the statistics. The first stage starts
+        # from leaves that need a gradient, as the stage's outputs must.
+        n = self.n_stats
+        activations, router_stats = (args[:-n], list(args[-n:])) if len(args) > n else (args, [])
+        device, grad = activations[0].device, torch.is_grad_enabled()
+        stats = []
         out = self.part(*activations, **kwargs)
-        for layer in self.moe_layers:
-            if layer.router_stats is not None:  # training forwards only
-                layer_counts, layer_prob_sums = layer.router_stats
-                layer.router_stats = None
-                counts = counts + layer_counts.long()
-                prob_sums = prob_sums + layer_prob_sums
-        return (*(out if isinstance(out, tuple) else (out,)), counts, prob_sums)
+        if self.pooled:
+            if router_stats:
+                counts, prob_sums, *router_stats = router_stats
+                prob_sums = prob_sums.clone()
+            else:
+                counts = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+                prob_sums = torch.zeros(self.num_experts, device=device, requires_grad=grad)
+            for layer in self.moe_layers:
+                if layer.router_stats is not None:  # training forwards only
+                    layer_counts, layer_prob_sums = layer.router_stats
+                    layer.router_stats = None
+                    counts = counts + layer_counts.long()
+                    prob_sums = prob_sums + layer_prob_sums
+            stats += [counts, prob_sums]
+        if self.sequence:
+            loss = (
+                router_stats[0].clone() if router_stats else torch.zeros(1, device=device, requires_grad=grad)
+            )
+            if self.inferring or self.pipeline is None or self.pipeline.sequence_loss is None:
+                for layer in self.moe_layers:
+                    layer.sequence_stats = None
+            else:
+                loss = loss + self.pipeline.sequence_loss(self.moe_layers)
+            stats.append(loss)
+        return (*(out if isinstance(out, tuple) else (out,)), *stats)
 
 
 def build_pipeline(
@@ -152,8 +182,12 @@ def build_pipeline(
     n_microbatches = num_microbatches(job_config, len(layers))
     ids = stage_ids(pp_mesh.get_local_rank(), pp_mesh.size(), len(layers) // pp_mesh.size(), schedule_name)
 
-    # A mixture of experts' auxiliary loss pools the router statistics of every stage's layers.
-    carry_router_stats = model_spec(job_config.model).moe and job_config.moe.aux_loss_coef > 0
+    # A mixture of experts' auxiliary loss pools the router statistics of every stage's layers; its
+    # sequence-wise balance loss sums the stages' own.
+    moe = model_spec(job_config.model).moe
+    pooled = moe and job_config.moe.aux_loss_coef > 0
+    sequence = moe and job_config.moe.sequence_aux_loss_coeff > 0
+    carry_router_stats = pooled or sequence
     stages, model_parts = [], []
     for stage_id in ids:
         is_first, is_last = stage_id == 0, stage_id == len(layers) - 1
@@ -163,7 +197,7 @@ def build_pipeline(
         module = part
         inputs, outputs = stage_io(stage_id) if stage_io else (None, None)
         if carry_router_stats:
-            module = RouterStatsStage(part, model.model_args.num_experts)
+            module = RouterStatsStage(part, model.model_args.num_experts, pooled, sequence)
             if isinstance(part, FSDPModule):
                 # Pipelining drives FSDP through the stage's module (gradient sync, the last reduce):
                 # the wrapper becomes the root unit, with no parameters and casting no inputs (the
@@ -176,6 +210,7 @@ def build_pipeline(
             if stage_io:
                 num_experts = model.model_args.num_experts
                 stats = (outputs.new_zeros(num_experts, dtype=torch.int64), outputs.new_zeros(num_experts))
+                stats = (stats if pooled else ()) + ((outputs.new_zeros(1),) if sequence else ())
                 inputs = inputs if is_first else (inputs, *stats)
                 outputs = (outputs, *stats)
         stages.append(
@@ -188,8 +223,10 @@ def build_pipeline(
     last_stage = stages[ids.index(last_stage_id)] if last_stage_id in ids else None
 
     def last_stage_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
+        stats = []
         if carry_router_stats:
-            *output, counts, prob_sums = output
+            n_stats = 2 * pooled + sequence
+            output, stats = output[:-n_stats], output[-n_stats:]
             output = output[0] if len(output) == 1 else tuple(output)
         training = torch.is_grad_enabled() and not last_stage.inferring
         if isinstance(output, tuple):  # multi-token prediction: the main output, then each depth's
@@ -202,7 +239,7 @@ def build_pipeline(
             loss = loss_fn(last_part, output, labels)
         if not carry_router_stats or pipeline.aux_loss is None or not training:
             return loss
-        aux_loss = pipeline.aux_loss(counts, prob_sums)
+        aux_loss = pipeline.aux_loss(*stats)
         # The gradient gains the auxiliary loss's; the value stays the language model's loss (logged).
         return loss + (aux_loss - aux_loss.detach())
 
@@ -220,4 +257,7 @@ def build_pipeline(
             "change parallelism.pipeline_parallel_microbatches"
         ) from None
     pipeline = Pipeline(schedule, 0 in ids, last_stage_id in ids)
+    for stage in stages:
+        if isinstance(stage.submod, RouterStatsStage):
+            stage.submod.pipeline = pipeline
     return pipeline, model_parts
