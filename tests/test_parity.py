@@ -19,7 +19,7 @@ from scripts.parity_layouts import (
     AC_OP,
     BLOCK_CAUSAL,
     CHUNKED_LOSS,
-    DEEPSEEK_V3_MTP_TP,
+    DEEPSEEK_V3_MTP,
     FSDP_KNOBS,
     MUON,
     QWEN3_CP_CI,
@@ -109,13 +109,13 @@ CI_LAYOUTS = [
     # shards, and under CP each rank's depths given the whole sequence's shifted tokens; its loss
     # (mtp_loss_1) compared too. Its other layouts (PP with two schedules, the chunked loss, compile +
     # AC): scripts/parity_matrix.py; kill -9 on PP 2: test_moe_resume.py.
-    Layout("DeepSeek-V3 MTP, block_causal: EP 2 x TP 2", 4, 2, 4, ep(2) + tp(2), DEEPSEEK_V3_MTP_TP),
+    Layout("DeepSeek-V3 MTP, block_causal: EP 2 x TP 2", 4, 2, 4, ep(2) + tp(2), DEEPSEEK_V3_MTP),
     # Context parallelism with a mixture of experts (the same reference): MLA gathers its latents over
     # the cp ranks; the experts' FSDP unit spans cp, and the expert counts and the auxiliary loss's
     # statistics are summed over dp x cp (docs/moe.md). CP 2 alone, Qwen3-MoE's CP 2 and CP 2 x TP 2:
     # scripts/parity_matrix.py; MLA's gathers against one process, value and gradient:
     # test_context_parallel.py.
-    Layout("DeepSeek-V3 MTP, block_causal: CP 2 x EP 2", 4, 2, 4, cp(2) + ep(2), DEEPSEEK_V3_MTP_TP),
+    Layout("DeepSeek-V3 MTP, block_causal: CP 2 x EP 2", 4, 2, 4, cp(2) + ep(2), DEEPSEEK_V3_MTP),
 ]
 
 
