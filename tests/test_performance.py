@@ -13,12 +13,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from scripts.benchmarks.gpu_kernels import part_moe_grouped_mm
+from scripts.benchmarks.moe import qwen3_moe_like_deepseek_v3
 from torchtitan.metrics import MetricLogger, peak_flops
 from torchtitan.metrics import flops_per_token as flops_per_token_fn
+from torchtitan.models import MODEL_SPECS
 from torchtitan.models.deepseek_v3 import deepseek_flops_per_token, deepseek_v3_configs
 from torchtitan.models.deepseek_v3.model import Transformer as DeepSeekV3Transformer
 from torchtitan.models.llama import ModelArgs, llama3_configs
 from torchtitan.models.llama.model import Transformer
+from torchtitan.models.qwen3_moe import moe_flops_per_token
 
 
 def test_flops_per_token_matches_the_flops_torch_counts():
@@ -73,6 +76,23 @@ def test_deepseek_v3_flops_are_its_active_parameters_and_mla_attention():
         F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
     # Exactly, but for the norms' weights (6 FLOPs each in the formula, none the counter sees: 0.16%).
     assert counter.get_total_flops() / (batch * seq) == per_token - 6 * norms
+
+
+def test_the_benchmarks_qwen3_moe_has_deepseek_v3s_active_parameters():
+    """benchmark.py's DeepSeek-V3 step-time row divides by a Qwen3-MoE of the same active parameters: the
+    same matmul weights per token (MLA's five projections as GQA's four, the shared expert as a third
+    routed one); only the norms' weights differ (q_norm and kv_norm against the per-head q and k norms)."""
+    qwen3_moe_args = replace(qwen3_moe_like_deepseek_v3(), vocab_size=128, max_seq_len=64)
+    deepseek_args = replace(deepseek_v3_configs["debugmodel"], vocab_size=128, max_seq_len=64)
+    active = []
+    for name, args, flops in (
+        ("qwen3_moe", qwen3_moe_args, moe_flops_per_token),
+        ("deepseek_v3", deepseek_args, deepseek_flops_per_token),
+    ):
+        with torch.device("meta"):
+            model = MODEL_SPECS[name].build(args)
+        active.append(flops(args, model.num_params(exclude_embedding=True), 0) / 6)
+    assert active[1] - active[0] == 3 * ((64 + 32) - (32 + 32))  # per layer: q_norm + kv_norm, q + k norms
 
 
 @pytest.mark.parametrize(
