@@ -36,6 +36,9 @@ class Layout:
     # auxiliary loss is a micro-batch's (not linear in its tokens): a pipeline's is compared with one
     # process accumulating the same micro-batches.
     reference_microbatch: int = 0
+    # Whether it validates (steps 5 and 10): V schedules cannot evaluate (torch's schedule.eval), so
+    # their layouts compare the training losses and gradient norms only.
+    validate: bool = True
 
     @property
     def reference(self) -> tuple[int, tuple[str, ...], int]:
@@ -59,9 +62,11 @@ class Layout:
             str(self.batch_size),
             "--training.global_batch_size",
             str(self.global_batch),
-            *VALIDATION,
-            "--validation.batch_size",
-            str(VALIDATION_BATCH // self.dp_degree),
+            *(
+                (*VALIDATION, "--validation.batch_size", str(VALIDATION_BATCH // self.dp_degree))
+                if self.validate
+                else ("--validation.enable", "false")
+            ),
             *self.model,
             *self.args,
         ]
@@ -160,6 +165,36 @@ QWEN3_MOE_SEQUENCE = (*QWEN3_MOE, "--moe.aux_loss_coef", "0", *SEQUENCE_AUX)
 # DeepSeek-V3 with one multi-token prediction depth (docs/objectives.md): its loss per depth (mtp_loss_1) is
 # compared too; the depth's block is a mixture of experts.
 DEEPSEEK_V3_MTP = (*DEEPSEEK_V3, "--model.mtp_layers", "1")
+# 4 layers, 2 dense then 2 sparse: the multi-stage schedules' 4 stages at PP 2 (one layer each; a rank
+# holds a dense and a sparse stage).
+DEEPSEEK_V3_4_LAYERS = (*DEEPSEEK_V3, "--model.flavor", "debugmodel_4_layers")
+# Balanced by the routing bias alone (as DeepSeek-V3 was): under PP x EP a micro-batch's auxiliary loss
+# pools the data-parallel ranks' rows of it, which no one process's micro-batches group alike.
+DEEPSEEK_V3_4_LAYERS_BIAS = (*DEEPSEEK_V3_4_LAYERS, "--moe.aux_loss_coef", "0")
+
+
+# The 4-layer flavour with one depth, for the multi-stage schedules (the depth on the last stage).
+DEEPSEEK_V3_MTP_4_LAYERS = (*DEEPSEEK_V3_4_LAYERS, "--model.mtp_layers", "1")
+
+
+def deepseek_v3_pp(schedule: str, extra: tuple[str, ...] = ()) -> Layout:
+    """DeepSeek-V3 on PP 2 with `schedule`, against one process accumulating the same micro-batches (a
+    micro-batch's auxiliary loss): the 3-layer debug model's 2 stages of 2 micro-batches for GPipe and
+    1F1B, the 4-layer one's 4 stages of 1 for the others (V schedules without validation)."""
+    single = schedule in ("GPipe", "1F1B")
+    name = "DeepSeek-V3" if single else "DeepSeek-V3 4 layers"
+    suffix = " + compile" if COMPILE[0] in extra else ""
+    return Layout(
+        f"{name}, block_causal: PP 2, {schedule}{suffix}",
+        2,
+        4,
+        4,
+        pp(2, schedule) + extra,
+        DEEPSEEK_V3 if single else DEEPSEEK_V3_4_LAYERS,
+        reference_microbatch=2 if single else 1,
+        validate=schedule not in ("ZBVZeroBubble", "DualPipeV"),
+    )
+
 
 MATRIX = [
     Layout("FSDP 2", 2, 2, 4),
@@ -300,7 +335,37 @@ MATRIX = [
     Layout("DeepSeek-V3, block_causal: FSDP 2 x TP 2", 4, 2, 4, tp(2), DEEPSEEK_V3),
     Layout("DeepSeek-V3, block_causal: EP 2 x TP 2", 4, 2, 4, ep(2) + tp(2), DEEPSEEK_V3),
     Layout("DeepSeek-V3 plain q, block_causal: FSDP 2 x TP 2", 4, 2, 4, tp(2), DEEPSEEK_V3_PLAIN_Q),
-    Layout("DeepSeek-V3, block_causal: PP 2, 1F1B", 2, 4, 4, pp(2), DEEPSEEK_V3, reference_microbatch=2),
+    # Every pipeline schedule; the dense and the sparse layers in one pipeline.
+    *(
+        deepseek_v3_pp(schedule)
+        for schedule in (
+            "GPipe",
+            "1F1B",
+            "Interleaved1F1B",
+            "LoopedBFS",
+            "InterleavedZeroBubble",
+            "ZBVZeroBubble",
+            "DualPipeV",
+        )
+    ),
+    deepseek_v3_pp("Interleaved1F1B", COMPILE),  # torchtitan's #2124: it did not compile there
+    Layout(
+        "DeepSeek-V3 4 layers bias, block_causal: PP 2 x EP 2, Interleaved1F1B, 2 micro-batches",
+        4,
+        2,
+        4,
+        pp(2, "Interleaved1F1B") + ep(2) + ("--parallelism.pipeline_parallel_microbatches", "2"),
+        DEEPSEEK_V3_4_LAYERS_BIAS,
+    ),
+    Layout(
+        "DeepSeek-V3 4 layers bias, block_causal: PP 2 x EP 2, DualPipeV",
+        4,
+        4,
+        8,
+        pp(2, "DualPipeV") + ep(2),
+        DEEPSEEK_V3_4_LAYERS_BIAS,
+        validate=False,
+    ),
     Layout("DeepSeek-V3, block_causal: HSDP 2x2 + AC full", 4, 1, 4, replicate(2) + AC_FULL, DEEPSEEK_V3),
     Layout("DeepSeek-V3, block_causal: compile + AC selective op", 1, 4, 4, COMPILE + AC_OP, DEEPSEEK_V3),
     # Context parallelism with a mixture of experts: the cp ranks route their own tokens (expert counts,
@@ -367,6 +432,19 @@ MATRIX = [
     Layout("DeepSeek-V3 MTP: compile + AC selective op", 1, 4, 4, COMPILE + AC_OP, DEEPSEEK_V3_MTP),
     Layout("DeepSeek-V3 MTP: HSDP 2x2 + AC full", 4, 1, 4, replicate(2) + AC_FULL, DEEPSEEK_V3_MTP),
     Layout("DeepSeek-V3 MTP: DDP 2", 2, 2, 4, replicate(2), DEEPSEEK_V3_MTP),
+    *(
+        Layout(
+            f"DeepSeek-V3 MTP 4 layers: PP 2, {schedule}",
+            2,
+            4,
+            4,
+            pp(2, schedule),
+            DEEPSEEK_V3_MTP_4_LAYERS,
+            reference_microbatch=1,
+            validate=schedule not in ("ZBVZeroBubble", "DualPipeV"),
+        )
+        for schedule in ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+    ),
     Layout("DeepSeek-V3 MTP: CP 2", 2, 4, 4, cp(2), DEEPSEEK_V3_MTP),
     Layout("DeepSeek-V3 MTP: CP 2 x EP 2", 4, 2, 4, cp(2) + ep(2), DEEPSEEK_V3_MTP),
     Layout(

@@ -180,10 +180,9 @@ def check_routing_and_latents(job_config: JobConfig, model_args: ModelArgs) -> N
     enough for top_k experts; multi-head latent attention's rope slice must fit its head and have pairs to
     rotate. Torch-free, so the preflight refuses a bad flavour before any worker starts."""
     where = f"model.flavor: {job_config.model.name} {job_config.model.flavor}"
-    n_group = getattr(model_args, "n_group", 1)
-    if n_group > 1:
-        experts, topk_group = model_args.num_experts, model_args.topk_group
-        if experts % n_group or experts // n_group < 2:
+    if hasattr(model_args, "n_group"):  # one group (n_group 1) is no limit, but topk_group must be 1
+        n_group, experts, topk_group = model_args.n_group, model_args.num_experts, model_args.topk_group
+        if n_group < 1 or experts % n_group or experts // n_group < 2:
             raise ConfigError(
                 f"{where} splits {experts} experts into n_group {n_group} groups; n_group must divide the "
                 "experts with at least 2 per group (a group scores by its best two)"

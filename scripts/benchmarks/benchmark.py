@@ -96,6 +96,7 @@ PARTS: dict[str, Callable[[str], dict]] = {
     "moe": moe.part_moe,
     "moe_layer": moe.part_moe_layer,
     "moe_all_to_all": moe.part_moe_all_to_all,
+    "deepseek_v3": moe.part_deepseek_v3,
     "context_parallel": context_parallel.part_context_parallel,
     "mla_gather": context_parallel.part_mla_gather,
     "attention_mask": attention.part_attention_mask,

@@ -139,7 +139,9 @@ class MTPTransformer(Transformer):
         for layer in self.layers.values():
             h = layer(h, freqs_cis, documents)
         if self.norm is None:  # a pipeline stage before the last: the embeddings travel on
-            return h, mtp_embeddings.view_as(mtp_embeddings)
+            # A copy when passed through: the split-backward schedules detach a stage's outputs in place,
+            # which neither a view nor the stage's input may be.
+            return h, mtp_embeddings if self.tok_embeddings is not None else mtp_embeddings.clone()
         outputs, hidden = [self.norm(h)], h
         for k, layer in enumerate(self.mtp.values()):
             hidden = layer(mtp_embeddings[:, :, k], hidden, freqs_cis, documents)
