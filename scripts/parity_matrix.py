@@ -89,6 +89,7 @@ def run(folder: Path, nproc: int, argv: list[str]) -> tuple[list[dict] | None, s
     result = run_train(nproc, folder, *argv, timeout=900)
     seconds = time.perf_counter() - start
     if result.returncode != 0:
+        folder.mkdir(parents=True, exist_ok=True)  # a job refused before it made its dump folder
         (folder / LAUNCH_LOG).write_text(result.stdout + result.stderr)
         return None, f"exit {result.returncode}: {last_words(result.stderr or result.stdout)}", seconds
     metrics = read_metrics(folder)
@@ -127,10 +128,12 @@ def run_layout(layout: Layout, folder: Path, steps: int, reference: list[dict]) 
         diffs = [abs(a[key] - b[key]) for a, b in zip(reference, metrics) if key in a]
         result.max_moe_diff = max([result.max_moe_diff, *diffs])
     validated = [(a["validation_loss"], b["validation_loss"]) for a, b in zip(reference, metrics)]
-    if not any(a is not None for a, _ in validated) or any((a is None) != (b is None) for a, b in validated):
+    if layout.validated != any(a is not None for a, _ in validated) or any(
+        (a is None) != (b is None) for a, b in validated
+    ):
         result.error = "validated steps differ from the reference"
         return result
-    result.max_validation_diff = max(abs(a - b) for a, b in validated if a is not None)
+    result.max_validation_diff = max((abs(a - b) for a, b in validated if a is not None), default=0.0)
     return result
 
 

@@ -1,8 +1,8 @@
 """Training on chat data (train.py with [chat]): step 1's loss from a Hugging Face Qwen3 folder is
 transformers' on the same packed batch (labels -100 where nothing is trained, positions restarting per
-conversation), with the chunked loss too; FSDP 2 and gradient accumulation train the losses of one
+conversation), with the chunked loss too; FSDP 2, gradient accumulation and PP 2 train the losses of one
 process (the loss is the mean over the global batch's trained tokens); bad chat input is one line and
-exit 2 before any step."""
+exit 2 before any step. TP 2, CP 2 and their compositions: scripts/parity_matrix.py --only Chat."""
 
 import json
 import re
@@ -15,6 +15,7 @@ from launch import ROOT, TINY_JOB, losses, read_metrics, run_train, run_train_in
 from test_hf_load import hub_folder
 
 from scripts import show_data
+from scripts.parity_layouts import pp
 from torchtitan.config.parser import parse_args
 from torchtitan.datasets.build import build_training_data_loader
 from torchtitan.datasets.hf_tokenizer import HFTokenizer
@@ -29,7 +30,7 @@ CHAT = [
     *TINY_JOB,
     *("--model.name", "qwen3", "--model.flavor", "debugmodel", "--model.attn_mask_type", "block_causal"),
     *("--model.tokenizer_path", str(HF_TOKENIZER), "--chat.enable", "true"),
-    *("--training.dataset", "kjv_chat", "--training.seq_len", "128", "--training.steps", "3"),
+    *("--training.dataset", "kjv_chat", "--training.seq_len", "128", "--training.steps", "4"),
 ]
 
 
@@ -59,7 +60,7 @@ def test_first_loss_is_transformers(tmp_path, monkeypatch):
     assert read_metrics(tmp_path / "plain")[0]["trained_tokens"] == int((labels != IGNORE_INDEX).sum())
 
 
-def test_fsdp_and_accumulation_train_the_losses_of_one_process(tmp_path):
+def test_layouts_train_the_losses_of_one_process(tmp_path):
     assert run_train_in_process(*CHAT, "--job.dump_folder", str(tmp_path / "one")) == 0
     one = losses(tmp_path / "one")
     batch = str(parse_args(CHAT).training.batch_size // 2)
@@ -72,9 +73,14 @@ def test_fsdp_and_accumulation_train_the_losses_of_one_process(tmp_path):
     )
     result = run_train(2, tmp_path / "fsdp", *CHAT[len(TINY_JOB) :], "--training.batch_size", batch)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    for other in ("acc", "fsdp"):
+    # PP 2 (each schedule micro-batch's loss divided by the whole step's count), saving every 2 steps.
+    pipelined = [*pp(2), "--training.batch_size", str(parse_args(CHAT).training.batch_size)]
+    pipelined += ["--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "2"]
+    result = run_train(2, tmp_path / "pp", *CHAT[len(TINY_JOB) :], *pipelined)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for other in ("acc", "fsdp", "pp"):
         got = losses(tmp_path / other)
-        assert got.keys() == one.keys() == {1, 2, 3}
+        assert got.keys() == one.keys() == {1, 2, 3, 4}
         assert all(abs(got[s] - one[s]) <= 1e-5 for s in one), (other, got, one)
 
 

@@ -239,20 +239,14 @@ def validation_batch_size(job_config: JobConfig, dp_degree: int) -> int:
 
 
 def check_chat(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-    """Chat data carries its conversations' bounds as positions, which block_causal attention reads; the
-    layouts and data paths that do not pass them on yet are refused rather than trained wrong."""
+    """Chat data carries its conversations' bounds as positions, which block_causal attention reads (on
+    every layout); the data paths that do not pass them on yet are refused rather than trained wrong."""
     if not job_config.chat.enable:
         return
     if job_config.model.attn_mask_type != "block_causal":
         raise ConfigError(
             "chat.enable: conversations are packed as documents; set model.attn_mask_type = block_causal"
         )
-    for name in ("tp", "cp", "pp"):
-        if getattr(parallel_dims, name) > 1:
-            raise ConfigError(
-                f"chat.enable: chat data does not run with {name.upper()} yet; use data parallelism "
-                "(FSDP, HSDP, DDP) and gradient accumulation"
-            )
     for option, unsupported in (
         ("training.mixture", job_config.training.mixture),
         ("validation.enable", job_config.validation.enable),

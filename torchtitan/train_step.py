@@ -3,6 +3,7 @@ pipeline stages: what train.py, the memory estimator, the profiler and the bench
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,13 +39,32 @@ def loss_fn(
 
 
 def stage_loss_fn(
-    last_stage: nn.Module | None, output: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 0
+    last_stage: nn.Module | None,
+    output: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int = 0,
+    denominator: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The loss of the last pipeline stage's output: its logits, or with `chunk_tokens` its final
-    hidden states (the stages run with `skip_output`), projected by its output weight chunk by chunk."""
+    hidden states (the stages run with `skip_output`), projected by its output weight chunk by chunk;
+    `denominator` as loss_fn's."""
     if chunk_tokens:
-        return chunked_cross_entropy(output, last_stage.output.weight, labels, chunk_tokens)
-    return loss_fn(output, labels)
+        return chunked_cross_entropy(output, last_stage.output.weight, labels, chunk_tokens, denominator)
+    return loss_fn(output, labels, denominator)
+
+
+class StageLoss:
+    """stage_loss_fn for a pipeline's schedule, which calls it per micro-batch: chat data's
+    `denominator` is the train step's, set before each schedule step (`Pipeline.stage_loss`)."""
+
+    def __init__(self, chunk_tokens: int) -> None:
+        self.chunk_tokens = chunk_tokens
+        self.denominator: torch.Tensor | None = None
+
+    def __call__(
+        self, last_stage: nn.Module | None, output: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        return stage_loss_fn(last_stage, output, labels, self.chunk_tokens, self.denominator)
 
 
 def autocast_context(
@@ -71,10 +91,11 @@ def parallelize_model(
     `float8.enable_float8_linear`, the whole model's linear layers are converted to float8 first."""
     convert_to_float8(model, job_config, parallel_dims)
     if parallel_dims.pp_enabled:
-        stage_loss = functools.partial(stage_loss_fn, chunk_tokens=job_config.training.loss_chunk_tokens)
+        stage_loss = StageLoss(job_config.training.loss_chunk_tokens)
         pipeline, model_parts = build_pipeline(
             model, world_mesh, parallel_dims, job_config, device, stage_loss, stage_io
         )
+        pipeline.stage_loss = stage_loss
         return model_parts, pipeline
     return [parallelize(model, world_mesh, parallel_dims, job_config)], None
 
@@ -88,9 +109,12 @@ class TrainStep:
 
     Chat batches (with positions) have tokens without a target, as many as each conversation's prompts:
     their loss is the mean over the trained tokens of the whole global batch, whatever the layout. A
-    step takes all its micro-batches first to count them over the data-parallel ranks (`dp_mesh`), N;
-    each micro-batch's loss is its sum divided by N / (micro-batches x ranks), so that the mean over the
-    micro-batches and ranks, which the gradients' accumulation and averaging take, is the sum over N."""
+    step takes all its micro-batches first to count them over the data-parallel ranks (`dp_mesh`), N
+    (whole rows: the context-parallel ranks of a row count the same, tensor-parallel ones too); each
+    micro-batch's loss is the sum over its tokens (a context-parallel rank's share) divided by
+    N / (micro-batches x dp ranks x cp ranks), and a pipeline micro-batch's by that over the schedule's
+    micro-batches, so that the mean over micro-batches and ranks, which the gradients' accumulation and
+    averaging over dp x cp (and the schedule's scaling) take, is the sum over N."""
 
     def __init__(
         self,
@@ -176,8 +200,12 @@ class TrainStep:
         if self.dp_mesh is not None:
             count = dist_sum(count, self.dp_mesh)
         self.trained_tokens = count
-        ranks = self.dp_mesh.size() if self.dp_mesh is not None else 1
+        ranks = math.prod(mesh.size() for mesh in (self.dp_mesh, self.cp_mesh) if mesh is not None)
         self.loss_denominator = count.clamp(min=1) / (len(step) * ranks)
+        if self.pipeline is not None:
+            self.pipeline.stage_loss.denominator = (
+                self.loss_denominator / self.pipeline.schedule._n_microbatches
+            )
 
     def _on_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """The batch on the device and the model's keyword arguments for it (block_causal's documents,

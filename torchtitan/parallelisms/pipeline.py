@@ -49,6 +49,8 @@ class Pipeline:
     has_first_stage: bool
     has_last_stage: bool
     aux_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # The loss the last stage computes (build_pipeline's `loss_fn`), for the train step to reach.
+    stage_loss: StageLoss | None = None
 
 
 def split_model(model: nn.Module, layers: range, is_first: bool, is_last: bool) -> nn.Module:
