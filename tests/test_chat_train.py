@@ -1,8 +1,9 @@
 """Training on chat data (train.py with [chat]): step 1's loss from a Hugging Face Qwen3 folder is
 transformers' on the same packed batch (labels -100 where nothing is trained, positions restarting per
 conversation), with the chunked loss too; FSDP 2, gradient accumulation and PP 2 train the losses of one
-process (the loss is the mean over the global batch's trained tokens); bad chat input is one line and
-exit 2 before any step. TP 2, CP 2 and their compositions: scripts/parity_matrix.py --only Chat."""
+process (the loss is the mean over the global batch's trained tokens), and PP 2 killed with SIGKILL once
+a checkpoint is saved resumes bit for bit (the chat streams' positions are in it); bad chat input is one
+line and exit 2 before any step. TP 2, CP 2 and their compositions: scripts/parity_matrix.py --only Chat."""
 
 import json
 import re
@@ -14,8 +15,9 @@ import torch
 from launch import ROOT, TINY_JOB, losses, read_metrics, run_train, run_train_in_process
 from test_hf_load import hub_folder
 
-from scripts import show_data
+from scripts import chaos, show_data
 from scripts.parity_layouts import pp
+from torchtitan.checkpoint.safe_reader import read_checkpoint
 from torchtitan.config.parser import parse_args
 from torchtitan.datasets.build import build_training_data_loader
 from torchtitan.datasets.hf_tokenizer import HFTokenizer
@@ -60,7 +62,7 @@ def test_first_loss_is_transformers(tmp_path, monkeypatch):
     assert read_metrics(tmp_path / "plain")[0]["trained_tokens"] == int((labels != IGNORE_INDEX).sum())
 
 
-def test_layouts_train_the_losses_of_one_process(tmp_path):
+def test_layouts_train_the_losses_of_one_process_and_resume_after_sigkill(tmp_path):
     assert run_train_in_process(*CHAT, "--job.dump_folder", str(tmp_path / "one")) == 0
     one = losses(tmp_path / "one")
     batch = str(parse_args(CHAT).training.batch_size // 2)
@@ -82,6 +84,21 @@ def test_layouts_train_the_losses_of_one_process(tmp_path):
         got = losses(tmp_path / other)
         assert got.keys() == one.keys() == {1, 2, 3, 4}
         assert all(abs(got[s] - one[s]) <= 1e-5 for s in one), (other, got, one)
+
+    # Killed once step 2 is saved, relaunched: every step either launch logged is PP 2's, bit for bit.
+    killed, straight = tmp_path / "killed", losses(tmp_path / "pp")
+    chaos.kill_once_saved(chaos.Job(2, killed, *chaos.JOB, *CHAT, *pipelined), killed, 2)
+    relaunch = chaos.run_to_end(2, killed, *CHAT, *pipelined)
+    assert "Resumed from step 2" in relaunch.output(0)
+    logged = chaos.losses(killed)
+    assert {step for step, _ in logged} == {1, 2, 3, 4}
+    assert all(loss == straight[step] for step, loss in logged), (logged, straight)
+    # The last checkpoint too: weights, optimizer and the chat streams' positions (epoch, conversation,
+    # windows taken per stream).
+    got, want = (read_checkpoint(str(run / "checkpoint" / "step-4")) for run in (killed, tmp_path / "pp"))
+    assert got.keys() == want.keys() and any("chat_global_batch" in key for key in want), sorted(want)
+    for key, value in want.items():
+        assert torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value, key
 
 
 def tokenizer_without_template(folder: Path) -> Path:
