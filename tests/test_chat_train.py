@@ -7,6 +7,7 @@ line and exit 2 before any step. TP 2, CP 2 and their compositions: scripts/pari
 
 import json
 import re
+import runpy
 from dataclasses import replace
 from pathlib import Path
 
@@ -166,3 +167,54 @@ def test_show_data_marks_what_is_not_trained(capsys):
     assert "⟦<|im_start|>system\n" in text and "assistant\n⟧In the beginning" in text
     assert show_data.main(["--training.seq_len", "16", "--rows", "1"]) == 0  # text data: every token
     assert capsys.readouterr().out.count("⟦") == 1
+
+
+def test_pretokenized_chat_shards_train_the_streamed_losses(tmp_path, capsys):
+    """scripts/pretokenize.py writes the conversations with their masks and bounds; the shards give the
+    streamed batches (every row of several steps, on 2 data-parallel ranks, a state resumed) and train
+    the streamed losses; shards written for other chat settings are refused in one line."""
+    chat_file = ROOT / "assets" / "corpus" / "kjv_chat" / "train.jsonl"
+    streamed = [*CHAT, "--training.dataset_path", str(chat_file), "--training.steps", "2"]
+    shards = tmp_path / "shards"
+    run = runpy.run_path(str(ROOT / "scripts" / "pretokenize.py"))["run"]
+    assert run([*streamed, "--output", str(shards), "--docs-per-shard", "20"]) == 0
+    assert "48 conversations (" in capsys.readouterr().out
+    manifest = json.loads((shards / "manifest.json").read_text())
+    assert len(manifest["shards"]) == 3 and manifest["chat"]["seq_len"] == 128
+
+    job = parse_args(streamed)
+    tokenizer = HFTokenizer(HF_TOKENIZER)
+
+    def loaders(path: Path) -> list:
+        training = replace(job.training, dataset_path=str(path))
+        return [
+            build_training_data_loader(training, tokenizer, BatchLayout(2, 2, rank), 2256, False, job.chat)
+            for rank in range(2)
+        ]
+
+    def steps(ranks: list, n: int) -> list[torch.Tensor]:
+        its = [iter(loader) for loader in ranks]
+        return [torch.cat([torch.stack(next(it)) for it in its], dim=1) for _ in range(n)]
+
+    expected = steps(loaders(chat_file), 6)  # (input_ids, labels, positions) x rows, past an epoch
+    assert all(torch.equal(a, b) for a, b in zip(steps(loaders(shards), 6), expected))
+    first = loaders(shards)
+    steps(first, 2)
+    resumed = loaders(shards)
+    for loader, done in zip(resumed, first):
+        loader.load_state_dict(done.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(steps(resumed, 4), expected[2:]))
+
+    for name, path in {"streamed": chat_file, "shards": shards}.items():
+        argv = [*streamed, "--training.dataset_path", str(path), "--job.dump_folder", str(tmp_path / name)]
+        assert run_train_in_process(*argv) == 0
+    assert losses(tmp_path / "shards") == losses(tmp_path / "streamed")
+
+    capsys.readouterr()
+    argv = [*streamed, "--training.dataset_path", str(shards), "--training.seq_len", "256"]
+    assert run_train_in_process(*argv, "--job.dump_folder", str(tmp_path / "other")) == 2
+    assert re.search(
+        r"error: training.dataset_path: .* was written for other chat settings: seq_len 128 "
+        r"\(the job: 256\); re-run scripts/pretokenize.py",
+        capsys.readouterr().err,
+    )
