@@ -42,14 +42,6 @@ class Layout:
         return self.global_batch, self.model, self.reference_microbatch
 
     @property
-    def validated(self) -> bool:
-        """Whether the runs validate (launch.VALIDATION, unless the model's or layout's options turn it
-        off: chat data has no validation yet)."""
-        options = [*self.model, *self.args]
-        flags = [options[i + 1] for i, o in enumerate(options[:-1]) if o == "--validation.enable"]
-        return not flags or flags[-1] == "true"
-
-    @property
     def dp_degree(self) -> int:
         args = list(self.args)
         degrees = [
@@ -137,7 +129,8 @@ BLOCK_CAUSAL = (
 )
 # Chat data (docs/datasets.md): the bundled conversations, each a document of its own (positions), trained
 # on the assistant's turns only: the loss is the mean over the global batch's trained tokens, which every
-# layout must count alike (dp, cp shards, pipeline micro-batches). 256 tokens: CP 2's chunks hold several.
+# layout must count alike (dp, cp shards, pipeline micro-batches), validated on the set's validation split
+# (the mean over its trained tokens). 256 tokens: CP 2's chunks hold several.
 CHAT = (
     *QWEN3_UNTIED,
     "--model.attn_mask_type",
@@ -148,8 +141,8 @@ CHAT = (
     "kjv_chat",
     "--training.seq_len",
     "256",
-    "--validation.enable",
-    "false",
+    "--validation.dataset",
+    "kjv_chat",
 )
 # Muon for the blocks' matrices (docs/optimizers.md), its Newton-Schulz in fp32 (exact, and fast on CPUs).
 MUON = ("--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32")

@@ -128,12 +128,10 @@ def run_layout(layout: Layout, folder: Path, steps: int, reference: list[dict]) 
         diffs = [abs(a[key] - b[key]) for a, b in zip(reference, metrics) if key in a]
         result.max_moe_diff = max([result.max_moe_diff, *diffs])
     validated = [(a["validation_loss"], b["validation_loss"]) for a, b in zip(reference, metrics)]
-    if layout.validated != any(a is not None for a, _ in validated) or any(
-        (a is None) != (b is None) for a, b in validated
-    ):
+    if not any(a is not None for a, _ in validated) or any((a is None) != (b is None) for a, b in validated):
         result.error = "validated steps differ from the reference"
         return result
-    result.max_validation_diff = max((abs(a - b) for a, b in validated if a is not None), default=0.0)
+    result.max_validation_diff = max(abs(a - b) for a, b in validated if a is not None)
     return result
 
 

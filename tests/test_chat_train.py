@@ -1,9 +1,11 @@
 """Training on chat data (train.py with [chat]): step 1's loss from a Hugging Face Qwen3 folder is
 transformers' on the same packed batch (labels -100 where nothing is trained, positions restarting per
-conversation), with the chunked loss too; FSDP 2, gradient accumulation and PP 2 train the losses of one
-process (the loss is the mean over the global batch's trained tokens), and PP 2 killed with SIGKILL once
-a checkpoint is saved resumes bit for bit (the chat streams' positions are in it); bad chat input is one
-line and exit 2 before any step. TP 2, CP 2 and their compositions: scripts/parity_matrix.py --only Chat."""
+conversation), with the chunked loss too, and so is the validation loss of that batch; FSDP 2, gradient
+accumulation and PP 2 train the losses of one process (the loss is the mean over the global batch's
+trained tokens), and PP 2 killed with SIGKILL once a checkpoint is saved resumes bit for bit (the chat
+streams' positions are in it); pre-tokenized chat shards train the streamed losses; bad chat input is
+one line and exit 2 before any step. TP 2, CP 2 and their compositions, validated:
+scripts/parity_matrix.py --only Chat."""
 
 import json
 import re
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import ROOT, TINY_JOB, losses, read_metrics, run_train, run_train_in_process
+from launch import ROOT, TINY_JOB, losses, read_metrics, run_train, run_train_in_process, validation_losses
 from test_hf_load import hub_folder
 
 from scripts import chaos, show_data
@@ -57,9 +59,14 @@ def test_first_loss_is_transformers(tmp_path, monkeypatch):
         expected = hf_model(input_ids=inputs, position_ids=positions, labels=hf_labels, use_cache=False).loss
         unpacked = hf_model(input_ids=inputs, labels=hf_labels, use_cache=False).loss
     assert abs(unpacked - expected) > 1e-3  # the later conversations of a row are trained on too
-    for name, extra in {"plain": [], "chunked": ["--training.loss_chunk_tokens", "48"]}.items():
+    # Validated after the step (at learning rate 0: the same weights) on the same conversations: the
+    # validation loss is the same mean over the batch's trained tokens.
+    same_batch = ["--validation.enable", "true", "--validation.steps", "1"]
+    same_batch += ["--validation.dataset_path", str(ROOT / "assets" / "corpus" / "kjv_chat" / "train.jsonl")]
+    for name, extra in {"plain": same_batch, "chunked": ["--training.loss_chunk_tokens", "48"]}.items():
         assert run_train_in_process(*argv, *extra, "--job.dump_folder", str(tmp_path / name)) == 0
         assert abs(losses(tmp_path / name)[1] - expected.item()) <= 1e-5, (name, losses(tmp_path / name))
+    assert abs(validation_losses(tmp_path / "plain")[1] - expected.item()) <= 1e-5
     assert read_metrics(tmp_path / "plain")[0]["trained_tokens"] == int((labels != IGNORE_INDEX).sum())
 
 

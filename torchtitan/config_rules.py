@@ -247,12 +247,20 @@ def check_chat(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
         raise ConfigError(
             "chat.enable: conversations are packed as documents; set model.attn_mask_type = block_causal"
         )
-    for option, unsupported in (
-        ("training.mixture", job_config.training.mixture),
-        ("validation.enable", job_config.validation.enable),
-    ):
-        if unsupported:
-            raise ConfigError(f"chat.enable: {option} is not supported on chat data yet; leave it unset")
+    if job_config.training.mixture:
+        raise ConfigError("chat.enable: training.mixture is not supported on chat data yet; leave it unset")
+    if job_config.validation.enable:
+        check_chat_validation(job_config)
+
+
+def check_chat_validation(job_config: JobConfig) -> None:
+    """Chat data never ends (chat_data.py): its evaluation is a number of global batches (train.py's
+    validation, scripts/evaluate.py)."""
+    if job_config.chat.enable and job_config.validation.steps == -1:
+        raise ConfigError(
+            "validation.steps: -1 (a whole pass) is not supported on chat data yet; set the number of "
+            "global batches to evaluate (the same ones each time)"
+        )
 
 
 def mixture_sources(training_config: TrainingConfig) -> list[tuple[str, float]]:

@@ -132,6 +132,7 @@ class TrainStep:
         # Chat data: the last step's trained tokens over the global batch, and what a loss is divided by.
         self.trained_tokens: torch.Tensor | None = None
         self.loss_denominator: torch.Tensor | None = None
+        self.evaluated_trained_tokens: torch.Tensor | None = None  # evaluate's, on this rank
         # block_causal: the documents of the whole sequences, found before context parallelism shares
         # their tokens out, and given to every pipeline stage (a later one is given hidden states).
         model_args = model_parts[0].model_args
@@ -201,11 +202,15 @@ class TrainStep:
             count = dist_sum(count, self.dp_mesh)
         self.trained_tokens = count
         ranks = math.prod(mesh.size() for mesh in (self.dp_mesh, self.cp_mesh) if mesh is not None)
-        self.loss_denominator = count.clamp(min=1) / (len(step) * ranks)
+        self._set_loss_denominator(count.clamp(min=1) / (len(step) * ranks))
+
+    def _set_loss_denominator(self, denominator: torch.Tensor | None) -> None:
+        """What a (chat) batch's summed loss is divided by; a pipeline schedule's micro-batch's, by that
+        over the schedule's micro-batches (their mean is the batch's loss)."""
+        self.loss_denominator = denominator
         if self.pipeline is not None:
-            self.pipeline.stage_loss.denominator = (
-                self.loss_denominator / self.pipeline.schedule._n_microbatches
-            )
+            micro = self.pipeline.schedule._n_microbatches
+            self.pipeline.stage_loss.denominator = None if denominator is None else denominator / micro
 
     def _on_device(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """The batch on the device and the model's keyword arguments for it (block_causal's documents,
@@ -278,14 +283,20 @@ class TrainStep:
     def evaluate(self, batches: Iterator[Batch]) -> tuple[torch.Tensor, int]:
         """Forward only (no activation recompute: nothing is kept for a backward), in eval mode, the
         training mode restored after: the sum of the batches' mean losses (0 on pipeline ranks without
-        the last stage) and how many batches there were."""
+        the last stage) and how many batches there were. Chat batches: the sum of their summed losses
+        (a context-parallel rank's share), and `evaluated_trained_tokens` this rank's count of them."""
         modes = [part.training for part in self.model_parts]
         for part in self.model_parts:
             part.eval()
-        losses = []
+        losses, denominator = [], self.loss_denominator
+        self.evaluated_trained_tokens = torch.zeros((), device=self.device)
         for batch in batches:
+            if len(batch) > 2:  # chat data: summed, to be divided by the trained tokens of every rank
+                self._set_loss_denominator(torch.ones((), device=self.device))
+                self.evaluated_trained_tokens += int((batch[1] != IGNORE_INDEX).sum())
             with self.loss_context():
                 losses.append(self._forward_loss(*self._on_device(batch)))
+        self._set_loss_denominator(denominator)
         for part, mode in zip(self.model_parts, modes):
             part.train(mode)
         return torch.stack(losses).sum(), len(losses)

@@ -173,13 +173,14 @@ def build_chat_dataset(
     seq_len: int,
     layout: BatchLayout,
     split: str = "train",
+    section: str = "training",
 ) -> ChatDataset:
     """A rank's chat data, as the `[chat]` section says: conversations, or a pre-tokenized chat folder
-    (chat_shards.py) at `dataset_path`; the template is tried on the first conversation here, so that one
-    that does not render stops the job before it trains."""
+    (chat_shards.py) at `dataset_path` (`section`'s option); the template is tried on the first
+    conversation here, so that one that does not render stops the job before it trains."""
     encoder = chat_encoder(chat, tokenizer, seq_len)
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
-    option = "training.dataset_path" if dataset_path else "training.dataset"
+    option = f"{section}.dataset_path" if dataset_path else f"{section}.dataset"
     with bad_input(option):
         folder = resolve_data_path(dataset_path) if dataset_path is not None else None
         if folder is not None and is_pretokenized(folder):
