@@ -23,8 +23,10 @@ from scripts.parity_layouts import pp
 from torchtitan.checkpoint.safe_reader import read_checkpoint
 from torchtitan.config.parser import parse_args
 from torchtitan.datasets.build import build_training_data_loader
+from torchtitan.datasets.chat_data import ChatStreams, chat_encoder, load_chat_dataset
 from torchtitan.datasets.hf_tokenizer import HFTokenizer
 from torchtitan.datasets.layout import IGNORE_INDEX, BatchLayout
+from torchtitan.datasets.mixture import row_choices
 from torchtitan.models.qwen3 import qwen3_configs
 
 transformers = pytest.importorskip("transformers")
@@ -225,3 +227,57 @@ def test_pretokenized_chat_shards_train_the_streamed_losses(tmp_path, capsys):
         r"\(the job: 256\); re-run scripts/pretokenize.py",
         capsys.readouterr().err,
     )
+
+
+def test_mixtures_of_chat_sources(tmp_path):
+    """training.mixture with chat.enable: each row of a global batch is the next window of whole
+    conversations of its chosen source's stream (mixture.py's choice of (seed, step, row)), the same on
+    every layout, resumed from the state; a mixture job trains."""
+    corpus = ROOT / "assets" / "corpus" / "kjv_chat"
+    files = [corpus / "train.jsonl", corpus / "validation.jsonl"]
+    mixture = ["--training.mixture", f"{files[0]}:3,{files[1]}:1", "--training.steps", "2"]
+    job = parse_args([*CHAT, *mixture])
+    tokenizer = HFTokenizer(HF_TOKENIZER)
+
+    def loaders(world: int) -> list:
+        batch = 4 // world
+        return [
+            build_training_data_loader(
+                job.training, tokenizer, BatchLayout(batch, world, r), 2256, False, job.chat
+            )
+            for r in range(world)
+        ]
+
+    def steps(ranks: list, n: int) -> list[torch.Tensor]:
+        its = [iter(loader) for loader in ranks]
+        return [torch.cat([torch.stack(next(it), dim=1) for it in its]) for _ in range(n)]
+
+    expected = steps(loaders(1), 4)  # (rows, 3, seq_len): ids, labels, positions
+    encoder = chat_encoder(job.chat, tokenizer, job.training.seq_len)
+    streams = [
+        ChatStreams(
+            str(f),
+            load_chat_dataset(str(f), str(f), "train", "auto"),
+            encoder,
+            128,
+            tokenizer.pad_id,
+            4,
+            [0, 1, 2, 3],
+        )
+        for f in files
+    ]
+    chosen = set()
+    for step, batch in enumerate(expected):
+        for row, source in enumerate(row_choices(job.training.seed, step, 4, [3.0, 1.0])):
+            assert torch.equal(batch[row], torch.stack(streams[source].next_window(row))), (step, row)
+            chosen.add(int(source))
+    assert chosen == {0, 1}
+    assert all(torch.equal(a, b) for a, b in zip(steps(loaders(2), 4), expected))
+    first = loaders(1)
+    steps(first, 2)
+    resumed = loaders(1)
+    resumed[0].load_state_dict(first[0].state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(steps(resumed, 2), expected[2:]))
+
+    assert run_train_in_process(*CHAT, *mixture, "--job.dump_folder", str(tmp_path / "run")) == 0
+    assert all(m["trained_tokens"] > 0 for m in read_metrics(tmp_path / "run"))

@@ -240,15 +240,13 @@ def validation_batch_size(job_config: JobConfig, dp_degree: int) -> int:
 
 def check_chat(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
     """Chat data carries its conversations' bounds as positions, which block_causal attention reads (on
-    every layout); the data paths that do not pass them on yet are refused rather than trained wrong."""
+    every layout); a whole validation pass, which chat data does not have yet, is refused."""
     if not job_config.chat.enable:
         return
     if job_config.model.attn_mask_type != "block_causal":
         raise ConfigError(
             "chat.enable: conversations are packed as documents; set model.attn_mask_type = block_causal"
         )
-    if job_config.training.mixture:
-        raise ConfigError("chat.enable: training.mixture is not supported on chat data yet; leave it unset")
     if job_config.validation.enable:
         check_chat_validation(job_config)
 
