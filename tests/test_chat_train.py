@@ -232,7 +232,7 @@ def test_pretokenized_chat_shards_train_the_streamed_losses(tmp_path, capsys):
 def test_mixtures_of_chat_sources(tmp_path):
     """training.mixture with chat.enable: each row of a global batch is the next window of whole
     conversations of its chosen source's stream (mixture.py's choice of (seed, step, row)), the same on
-    every layout, resumed from the state; a mixture job trains."""
+    every layout, resumed from the state, from a pre-tokenized chat folder alike; a mixture job trains."""
     corpus = ROOT / "assets" / "corpus" / "kjv_chat"
     files = [corpus / "train.jsonl", corpus / "validation.jsonl"]
     mixture = ["--training.mixture", f"{files[0]}:3,{files[1]}:1", "--training.steps", "2"]
@@ -278,6 +278,12 @@ def test_mixtures_of_chat_sources(tmp_path):
     resumed = loaders(1)
     resumed[0].load_state_dict(first[0].state_dict())
     assert all(torch.equal(a, b) for a, b in zip(steps(resumed, 2), expected[2:]))
+    # A pre-tokenized chat folder in place of a source's files: the same rows.
+    shards = tmp_path / "shards"
+    run = runpy.run_path(str(ROOT / "scripts" / "pretokenize.py"))["run"]
+    assert run([*CHAT, "--training.dataset_path", str(files[1]), "--output", str(shards)]) == 0
+    job = parse_args([*CHAT, *mixture, "--training.mixture", f"{files[0]}:3,{shards}:1"])
+    assert all(torch.equal(a, b) for a, b in zip(steps(loaders(1), 4), expected))
 
     assert run_train_in_process(*CHAT, *mixture, "--job.dump_folder", str(tmp_path / "run")) == 0
     assert all(m["trained_tokens"] > 0 for m in read_metrics(tmp_path / "run"))
