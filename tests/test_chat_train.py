@@ -3,8 +3,8 @@ transformers' on the same packed batch (labels -100 where nothing is trained, po
 conversation), with the chunked loss too, and so is the validation loss of that batch; FSDP 2, gradient
 accumulation and PP 2 train the losses of one process (the loss is the mean over the global batch's
 trained tokens), and PP 2 killed with SIGKILL once a checkpoint is saved resumes bit for bit (the chat
-streams' positions are in it); pre-tokenized chat shards train the streamed losses; bad chat input is
-one line and exit 2 before any step. TP 2, CP 2 and their compositions, validated:
+streams' positions are in it); pre-tokenized chat shards train the streamed losses; mixtures of chat
+sources; bad chat input is one line and exit 2 before any step. TP 2, CP 2 and their compositions, validated:
 scripts/parity_matrix.py --only Chat."""
 
 import json
