@@ -81,7 +81,7 @@ def main(job_config: JobConfig) -> int:
     # Mixture-of-experts models: the auxiliary loss and the routing biases (torchtitan/load_balance.py).
     load_balance = None
     if spec.moe:
-        load_balance = LoadBalance(model_parts, job_config.moe, meshes.dp, meshes.pp, meshes.tp)
+        load_balance = LoadBalance(model_parts, job_config.moe, meshes.dp_cp, meshes.pp, meshes.tp, meshes.cp)
     train_step = TrainStep(
         model_parts, pipeline, parallel_dims, training, device, load_balance, meshes.cp, meshes.dp
     )

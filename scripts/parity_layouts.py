@@ -36,6 +36,9 @@ class Layout:
     # auxiliary loss is a micro-batch's (not linear in its tokens): a pipeline's is compared with one
     # process accumulating the same micro-batches.
     reference_microbatch: int = 0
+    # Whether it validates (steps 5 and 10): V schedules cannot evaluate (torch's schedule.eval), so
+    # their layouts compare the training losses and gradient norms only.
+    validate: bool = True
 
     @property
     def reference(self) -> tuple[int, tuple[str, ...], int]:
@@ -59,9 +62,11 @@ class Layout:
             str(self.batch_size),
             "--training.global_batch_size",
             str(self.global_batch),
-            *VALIDATION,
-            "--validation.batch_size",
-            str(VALIDATION_BATCH // self.dp_degree),
+            *(
+                (*VALIDATION, "--validation.batch_size", str(VALIDATION_BATCH // self.dp_degree))
+                if self.validate
+                else ("--validation.enable", "false")
+            ),
             *self.model,
             *self.args,
         ]
@@ -151,8 +156,13 @@ LLAMA_BLOCK = (*LONG, *BLOCK_CAUSAL)
 QWEN3_BLOCK = (*QWEN3_LONG, *BLOCK_CAUSAL)
 QWEN3_CP_CI_BLOCK = (*QWEN3_CP_CI, *BLOCK_CAUSAL)
 QWEN3_MOE_BLOCK = (*QWEN3_MOE, *BLOCK_CAUSAL)
+QWEN3_MOE_BLOCK_BOTH = (*QWEN3_MOE_BOTH, *BLOCK_CAUSAL)
+# DeepSeek-V3's sequence-wise balance loss (docs/moe.md), weighted 100 x DeepSeek's alpha so that a wrong
+# reduction of it shows in the losses.
+SEQUENCE_AUX = ("--moe.sequence_aux_loss_coeff", "0.01")
 # DeepSeek-V3's debug flavour (MLA with a q LoRA and YaRN, sigmoid routing in 2 groups, a shared expert,
-# a dense first layer), both balancing methods on, on packed documents attending within themselves.
+# a dense first layer), every balancing method on (the batch-wise auxiliary loss, DeepSeek-V3's routing
+# bias and its sequence-wise loss), on packed documents attending within themselves.
 DEEPSEEK_V3 = (
     "--model.name",
     "deepseek_v3",
@@ -160,9 +170,41 @@ DEEPSEEK_V3 = (
     "assets/tokenizer/kjv_bpe_hf",
     "--moe.bias_update_rate",
     "0.01",
+    *SEQUENCE_AUX,
     *BLOCK_CAUSAL,
 )
 DEEPSEEK_V3_PLAIN_Q = (*DEEPSEEK_V3, "--model.flavor", "debugmodel_plain_q")
+# DeepSeek-V3's own balancing (the bias and the sequence-wise loss), and Qwen3-MoE's with the sequence-wise
+# loss alone: neither depends on how a batch is split into micro-batches, so each layout below is compared
+# with one process on the whole batch.
+DEEPSEEK_V3_OWN = (*DEEPSEEK_V3, "--moe.aux_loss_coef", "0")
+QWEN3_MOE_SEQUENCE = (*QWEN3_MOE, "--moe.aux_loss_coef", "0", *SEQUENCE_AUX)
+# 4 layers, 2 dense then 2 sparse: the multi-stage schedules' 4 stages at PP 2 (one layer each; a rank
+# holds a dense and a sparse stage).
+DEEPSEEK_V3_4_LAYERS = (*DEEPSEEK_V3, "--model.flavor", "debugmodel_4_layers")
+# Balanced by the routing bias alone (as DeepSeek-V3 was): under PP x EP a micro-batch's auxiliary loss
+# pools the data-parallel ranks' rows of it, which no one process's micro-batches group alike.
+DEEPSEEK_V3_4_LAYERS_BIAS = (*DEEPSEEK_V3_4_LAYERS, "--moe.aux_loss_coef", "0")
+
+
+def deepseek_v3_pp(schedule: str, extra: tuple[str, ...] = ()) -> Layout:
+    """DeepSeek-V3 on PP 2 with `schedule`, against one process accumulating the same micro-batches (a
+    micro-batch's auxiliary loss): the 3-layer debug model's 2 stages of 2 micro-batches for GPipe and
+    1F1B, the 4-layer one's 4 stages of 1 for the others (V schedules without validation)."""
+    single = schedule in ("GPipe", "1F1B")
+    name = "DeepSeek-V3" if single else "DeepSeek-V3 4 layers"
+    suffix = " + compile" if COMPILE[0] in extra else ""
+    return Layout(
+        f"{name}, block_causal: PP 2, {schedule}{suffix}",
+        2,
+        4,
+        4,
+        pp(2, schedule) + extra,
+        DEEPSEEK_V3 if single else DEEPSEEK_V3_4_LAYERS,
+        reference_microbatch=2 if single else 1,
+        validate=schedule not in ("ZBVZeroBubble", "DualPipeV"),
+    )
+
 
 MATRIX = [
     Layout("FSDP 2", 2, 2, 4),
@@ -303,9 +345,81 @@ MATRIX = [
     Layout("DeepSeek-V3, block_causal: FSDP 2 x TP 2", 4, 2, 4, tp(2), DEEPSEEK_V3),
     Layout("DeepSeek-V3, block_causal: EP 2 x TP 2", 4, 2, 4, ep(2) + tp(2), DEEPSEEK_V3),
     Layout("DeepSeek-V3 plain q, block_causal: FSDP 2 x TP 2", 4, 2, 4, tp(2), DEEPSEEK_V3_PLAIN_Q),
-    Layout("DeepSeek-V3, block_causal: PP 2, 1F1B", 2, 4, 4, pp(2), DEEPSEEK_V3, reference_microbatch=2),
+    # Every pipeline schedule; the dense and the sparse layers in one pipeline.
+    *(
+        deepseek_v3_pp(schedule)
+        for schedule in (
+            "GPipe",
+            "1F1B",
+            "Interleaved1F1B",
+            "LoopedBFS",
+            "InterleavedZeroBubble",
+            "ZBVZeroBubble",
+            "DualPipeV",
+        )
+    ),
+    deepseek_v3_pp("Interleaved1F1B", COMPILE),  # torchtitan's #2124: it did not compile there
+    Layout(
+        "DeepSeek-V3 4 layers bias, block_causal: PP 2 x EP 2, Interleaved1F1B, 2 micro-batches",
+        4,
+        2,
+        4,
+        pp(2, "Interleaved1F1B") + ep(2) + ("--parallelism.pipeline_parallel_microbatches", "2"),
+        DEEPSEEK_V3_4_LAYERS_BIAS,
+    ),
+    Layout(
+        "DeepSeek-V3 4 layers bias, block_causal: PP 2 x EP 2, DualPipeV",
+        4,
+        4,
+        8,
+        pp(2, "DualPipeV") + ep(2),
+        DEEPSEEK_V3_4_LAYERS_BIAS,
+        validate=False,
+    ),
     Layout("DeepSeek-V3, block_causal: HSDP 2x2 + AC full", 4, 1, 4, replicate(2) + AC_FULL, DEEPSEEK_V3),
     Layout("DeepSeek-V3, block_causal: compile + AC selective op", 1, 4, 4, COMPILE + AC_OP, DEEPSEEK_V3),
+    # Context parallelism with a mixture of experts: the cp ranks route their own tokens (expert counts,
+    # the auxiliary loss's statistics and the gradients over dp x cp); MLA gathers its latents.
+    Layout("DeepSeek-V3, block_causal: CP 2", 2, 4, 4, cp(2), DEEPSEEK_V3),
+    Layout("DeepSeek-V3, block_causal: CP 2 x EP 2", 4, 2, 4, cp(2) + ep(2), DEEPSEEK_V3),
+    Layout("Qwen3-MoE: CP 2", 2, 4, 4, cp(2), QWEN3_MOE),
+    Layout("Qwen3-MoE aux + bias, block_causal: CP 2 x TP 2", 4, 4, 4, cp(2) + tp(2), QWEN3_MOE_BLOCK_BOTH),
+    Layout("DeepSeek-V3 plain q, block_causal: CP 2", 2, 4, 4, cp(2), DEEPSEEK_V3_PLAIN_Q),
+    Layout(
+        "DeepSeek-V3, block_causal: CP 2 + compile + AC selective op",
+        2,
+        4,
+        4,
+        cp(2) + COMPILE + AC_OP,
+        DEEPSEEK_V3,
+    ),
+    Layout("Qwen3-MoE bias: PP 2 x CP 2, 1F1B", 4, 4, 4, pp(2) + cp(2), QWEN3_MOE_BIAS),
+    Layout(
+        "DeepSeek-V3 bias + sequence-wise, block_causal: FSDP 2 + GA 2 + AC full",
+        2,
+        1,
+        4,
+        AC_FULL,
+        DEEPSEEK_V3_OWN,
+    ),
+    Layout("DeepSeek-V3 bias + sequence-wise, block_causal: EP 2 + GA 2", 2, 1, 4, ep(2), DEEPSEEK_V3_OWN),
+    Layout(
+        "Qwen3-MoE sequence-wise: PP 2, InterleavedZeroBubble",
+        2,
+        4,
+        4,
+        pp(2, "InterleavedZeroBubble"),
+        QWEN3_MOE_SEQUENCE,
+    ),
+    Layout(
+        "Qwen3-MoE aux + sequence-wise: PP 2, Interleaved1F1B",
+        2,
+        4,
+        4,
+        pp(2, "Interleaved1F1B"),
+        (*QWEN3_MOE, *SEQUENCE_AUX),
+        reference_microbatch=1,
+    ),
     # Chat data: the trained tokens counted over dp, once per row under CP and TP, over a pipeline's step.
     Layout("Chat: FSDP 2", 2, 2, 4, model=CHAT),
     Layout("Chat: FSDP 2 + GA 2 + chunked loss", 2, 1, 4, CHUNKED_LOSS, CHAT),

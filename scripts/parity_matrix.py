@@ -3,7 +3,8 @@
 Every layout (scripts/parity_layouts.py's MATRIX) trains a debug model (Llama 3's, or Qwen3's: `model`)
 for a few steps on the same global batches as a 1-process reference run (same global batch size and
 model) and must log the same per-step loss and gradient norm, and the same validation loss (steps 5
-and 10, the same global validation batch), within a tolerance: data, tensor, sequence and pipeline
+and 10, the same global validation batch; V-shaped pipeline schedules, which cannot evaluate, are compared
+without it), within a tolerance: data, tensor, sequence and pipeline
 parallelism, gradient accumulation, activation checkpointing and compilation change how the work is
 split, never what is computed.
 
@@ -59,7 +60,9 @@ class Result:
     error: str | None = None
 
     def ok(self, tol: float) -> bool:
-        diffs = (self.max_loss_diff, self.max_grad_norm_diff, self.max_validation_diff, self.max_moe_diff)
+        diffs = (self.max_loss_diff, self.max_grad_norm_diff, self.max_moe_diff)
+        if self.layout.validate:
+            diffs += (self.max_validation_diff,)
         return self.error is None and all(diff <= tol for diff in diffs)
 
 
@@ -89,7 +92,7 @@ def run(folder: Path, nproc: int, argv: list[str]) -> tuple[list[dict] | None, s
     result = run_train(nproc, folder, *argv, timeout=900)
     seconds = time.perf_counter() - start
     if result.returncode != 0:
-        folder.mkdir(parents=True, exist_ok=True)  # a job refused before it made its dump folder
+        folder.mkdir(parents=True, exist_ok=True)  # a run refused before it made its dump folder
         (folder / LAUNCH_LOG).write_text(result.stdout + result.stderr)
         return None, f"exit {result.returncode}: {last_words(result.stderr or result.stdout)}", seconds
     metrics = read_metrics(folder)
@@ -121,12 +124,14 @@ def run_layout(layout: Layout, folder: Path, steps: int, reference: list[dict]) 
     result.max_loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(reference, metrics))
     result.max_grad_norm_diff = max(abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(reference, metrics))
     result.step1_loss_diff = abs(reference[0]["loss"] - metrics[0]["loss"])
-    for key in ("aux_loss", "expert_load"):
+    for key in ("aux_loss", "seq_aux_loss", "expert_load"):
         if any((key in a) != (key in b) for a, b in zip(reference, metrics)):
             result.error = f"{key} is logged by one run and not the other"
             return result
         diffs = [abs(a[key] - b[key]) for a, b in zip(reference, metrics) if key in a]
         result.max_moe_diff = max([result.max_moe_diff, *diffs])
+    if not layout.validate:
+        return result
     validated = [(a["validation_loss"], b["validation_loss"]) for a, b in zip(reference, metrics)]
     if not any(a is not None for a, _ in validated) or any((a is None) != (b is None) for a, b in validated):
         result.error = "validated steps differ from the reference"
@@ -211,7 +216,7 @@ def format_table(results: list[Result], tol: float) -> str:
                 f"{r.max_loss_diff:.2e}",
                 f"{r.max_grad_norm_diff:.2e}",
                 f"{r.step1_loss_diff:.2e}",
-                f"{r.max_validation_diff:.2e}",
+                f"{r.max_validation_diff:.2e}" if r.layout.validate else "none",
                 f"{r.max_moe_diff:.2e}",
                 f"{r.seconds:.0f}s",
                 status,

@@ -519,7 +519,8 @@ CASES = [
         "TP with a mixture of experts, without FSDP",
         args("--model.name", "qwen3_moe", "--parallelism.tensor_parallel_degree", "2"),
         "parallelism.tensor_parallel_degree: qwen3_moe's experts are not tensor-parallel: each tp rank "
-        "routes its own tokens and FSDP sums their gradients, so TP needs data_parallel_shard_degree > 1",
+        "routes its own tokens and FSDP sums their gradients, so TP needs data_parallel_shard_degree > 1 or "
+        "context_parallel_degree > 1 with it",
         env={"WORLD_SIZE": "2"},
     ),
     Case(
@@ -535,6 +536,29 @@ CASES = [
         "moe.aux_loss_coef: qwen3_moe's auxiliary loss under pipeline parallelism needs FSDP or no data "
         "parallelism, not replicas alone (DDP)",
         env={"WORLD_SIZE": "4"},
+    ),
+    Case(
+        "MoE sequence-wise balance loss under PP with replicas alone",
+        args(
+            "--model.name",
+            "deepseek_v3",
+            "--moe.aux_loss_coef",
+            "0",
+            "--moe.sequence_aux_loss_coeff",
+            "0.0001",
+            "--parallelism.pipeline_parallel_degree",
+            "2",
+            "--parallelism.data_parallel_replicate_degree",
+            "2",
+        ),
+        "moe.sequence_aux_loss_coeff: deepseek_v3's auxiliary loss under pipeline parallelism needs FSDP or "
+        "no data parallelism, not replicas alone (DDP)",
+        env={"WORLD_SIZE": "4"},
+    ),
+    Case(
+        "MoE sequence-wise balance loss negative",
+        args("--model.name", "deepseek_v3", "--moe.sequence_aux_loss_coeff", "-0.0001"),
+        "--moe.sequence_aux_loss_coeff: -0.0001 is below the minimum 0.0",
     ),
     Case(
         "EP on a dense model",
@@ -574,11 +598,20 @@ CASES = [
         env={"WORLD_SIZE": "8"},
     ),
     Case(
-        "CP with a mixture of experts",
-        args("--model.name", "qwen3_moe", "--parallelism.context_parallel_degree", "2"),
-        "parallelism.context_parallel_degree: qwen3_moe is a mixture of experts, which context parallelism "
-        "does not split yet",
-        env={"WORLD_SIZE": "2"},
+        "CP with TP on latent attention",
+        args(
+            "--model.name",
+            "deepseek_v3",
+            "--model.tokenizer_path",
+            "assets/tokenizer/kjv_bpe_hf",
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--parallelism.tensor_parallel_degree",
+            "2",
+        ),
+        "parallelism.context_parallel_degree: deepseek_v3's latent attention gathers its latents over the "
+        "cp ranks, which tensor parallelism's sequence-parallel latents do not compose with yet",
+        env={"WORLD_SIZE": "4"},
     ),
     # Validation data (checked before the first training step)
     Case(

@@ -142,6 +142,35 @@ def test_every_recipe_parses():
         parse_args(["--job.config_file", str(recipe)])
 
 
+# The GPU recipes of DeepSeek-V3's architecture, at the GPU counts their comments size them for, and
+# the user-supplied tokenizer each points at.
+DEEPSEEK_V3_RECIPES = {
+    "moonlight_16b": ([8], "assets/tokenizer/moonlight/tiktoken.model"),
+    "deepseek_v3_671b": ([256, 512], "assets/tokenizer/deepseek_v3/tokenizer.json"),
+    "kimi_k2": ([256, 512], "assets/tokenizer/kimi_k2/tiktoken.model"),
+}
+
+
+@pytest.mark.parametrize("recipe", DEEPSEEK_V3_RECIPES)
+def test_deepseek_v3_recipes_hold_every_rule_and_name_their_missing_tokenizer(recipe, tmp_path, capsys):
+    """Every rule between the options holds at the recipe's GPU counts (the layout, the pipeline split of
+    61 or 27 layers, expert parallelism, the batch arithmetic); the tokenizer a user has not put in place
+    yet stops the preflight with one line naming it, not a traceback."""
+    from torchtitan.config_rules import check_layout
+    from torchtitan.reliability import preflight
+
+    world_sizes, tokenizer = DEEPSEEK_V3_RECIPES[recipe]
+    argv = ["--job.config_file", str(ROOT / "train_configs" / f"{recipe}.toml")]
+    for world_size in world_sizes:
+        check_layout(parse_args(argv), world_size)
+    dump = ["--job.dump_folder", str(tmp_path)]
+    assert not (ROOT / tokenizer).exists()
+    assert preflight.main(["--nproc", str(world_sizes[0]), *argv, *dump]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: model.tokenizer_path:"), errors
+    assert Path(tokenizer).parent.as_posix() in errors[0], errors
+
+
 def test_list_option_from_toml_array_and_comma_separated_cli(tmp_path):
     key = "--parallelism.pipeline_parallel_split_points"
     path = write_toml(tmp_path, "[parallelism]\npipeline_parallel_split_points = ['layers.2', 'layers.4']\n")

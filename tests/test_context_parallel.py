@@ -244,3 +244,85 @@ def test_cp2_matches_one_process_and_resumes_exactly(tmp_path, reference_run):
     assert sorted(resumed) == [7, 8, 9, 10]
     for step, loss in resumed.items():
         assert abs(loss - straight_losses[step]) < 1e-5, (step, loss, straight_losses[step])
+
+
+def _mla_worker(rank: int, world_size: int, tmp_dir: str) -> None:
+    """DeepSeek-V3's debug model (MLA, block_causal) on CP 2 against one process, one forward and
+    backward of each rank's tokens: with its latents gathered (the default) and with every head's keys
+    and values gathered; the gradients averaged over the cp ranks, as FSDP averages them."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from scripts.benchmarks.context_parallel import GatheredBytes
+    from torchtitan.models.deepseek_v3 import deepseek_v3_configs
+    from torchtitan.models.deepseek_v3.model import Transformer
+    from torchtitan.models.documents import find_documents
+    from torchtitan.parallelisms.context_parallel import apply_cp, shard_sequence
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_dir}/store", rank=rank, world_size=world_size)
+    try:
+        seq_len, eos = 64, 2
+        args = replace(
+            deepseek_v3_configs["debugmodel"],
+            n_layers=2,
+            vocab_size=64,
+            max_seq_len=seq_len,
+            attn_mask_type="block_causal",
+            eos_id=eos,
+        )
+        tokens = torch.randint(3, 64, (2, seq_len + 1), generator=torch.Generator().manual_seed(0))
+        tokens[0, [5, 9, 40]], tokens[1, 30] = eos, eos  # documents across chunks, different per row
+        inputs, labels = tokens[:, :-1], tokens[:, 1:]
+        document_ids = find_documents(inputs, eos, None)
+
+        def run(model, inputs, labels):
+            loss = F.cross_entropy(model(inputs, document_ids=document_ids).flatten(0, 1), labels.flatten())
+            loss.backward()
+            return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+        reference = Transformer(args)
+        reference.init_weights(0)
+        results = {"one process": run(reference, inputs, labels)}
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))["cp"]
+        layouts = sequence_layouts(seq_len, 2, document_ids)
+        for kind in ("latent", "per_head"):
+            model = Transformer(args)
+            model.init_weights(0)
+            apply_cp(model, mesh, gather_latents=kind == "latent")
+            with GatheredBytes() as counted:
+                loss, grads = run(model, *(shard_sequence(t, mesh, layouts) for t in (inputs, labels)))
+            for t in (loss, *grads.values()):
+                dist.all_reduce(t)
+                t.div_(2)
+            results[kind] = (loss, grads, counted.bytes)
+        if rank == 0:
+            torch.save(results, f"{tmp_dir}/results.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def mla_results(tmp_path_factory):
+    from launch import spawn_forked
+
+    tmp_dir = tmp_path_factory.mktemp("mla_cp2")
+    spawn_forked(_mla_worker, 2, 2, str(tmp_dir))
+    return torch.load(tmp_dir / "results.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("kind", ["latent", "per_head"])
+def test_mla_under_cp_gathers_its_latents_and_matches_one_process(mla_results, kind):
+    """Multi-head latent attention on CP 2 (packed documents across the ranks' pieces): the loss and
+    every gradient of one process, the RoPE key rotated by its true positions; the latents' path
+    all-gathers kv_lora_rank + qk_rope_head_dim features per token and layer (48 in fp32 on the debug
+    model), the per-head path every head's key and value (4 x (48 + 32)), counted on the collectives."""
+    want_loss, want_grads = mla_results["one process"]
+    loss, grads, gathered = mla_results[kind]
+    torch.testing.assert_close(loss, want_loss, rtol=0, atol=1e-6)
+    assert grads.keys() == want_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want_grads[name], rtol=0, atol=2e-6, msg=name)
+    features = 32 + 16 if kind == "latent" else 4 * ((32 + 16) + 32)
+    assert gathered == 2 * 2 * 64 * features * 4  # layers x rows x tokens x features x fp32 bytes

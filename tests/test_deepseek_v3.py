@@ -231,6 +231,20 @@ BAD = {
     "groups not dividing the experts": (dict(n_group=3), "splits 8 experts into n_group 3 groups"),
     "one expert per group": (dict(n_group=8, topk_group=1), "splits 8 experts into n_group 8 groups"),
     "topk_group above n_group": (dict(topk_group=3), "keeps topk_group 3 of n_group 2 expert groups"),
+    "topk_group above one group": (
+        dict(n_group=1, topk_group=2),
+        "keeps topk_group 2 of n_group 1 expert groups",
+    ),
+    "no group": (dict(n_group=0), "splits 8 experts into n_group 0 groups"),
+    "too few groups for top_k": (
+        dict(top_k=5),
+        "routes each token to top_k 5 experts of topk_group 1 groups of 4",
+    ),
+    "no rope features": (dict(qk_rope_head_dim=0), "has qk_rope_head_dim 0"),
+    "negative nope features": (
+        dict(qk_nope_head_dim=-16),
+        "has qk_rope_head_dim 16 and qk_nope_head_dim -16",
+    ),
     "rope dims not fitting": (dict(qk_rope_head_dim=7), "has qk_rope_head_dim 7"),
 }
 

@@ -5,6 +5,7 @@ import re
 import subprocess
 
 import pytest
+import torch
 from launch import ROOT, launch_env, run_forked
 
 from torchtitan.memory_estimation.torch_internals import check_torch_internals
@@ -78,6 +79,35 @@ def test_torch_internals_the_estimator_relies_on_are_there():
     """A torch upgrade that moves or reshapes one of them fails here, naming it, rather than as a
     wrong estimate."""
     check_torch_internals()
+
+
+class _Mesh:
+    """A 1-D device mesh's size and this rank's place in it, all shard_dim_alltoall reads."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self, dim: int) -> int:
+        return self._size
+
+    def get_local_rank(self, dim: int) -> int:
+        return self._rank
+
+
+@pytest.mark.parametrize("rows, rank, expected", [(8, 1, 2), (6, 1, 2), (6, 3, 0), (5, 2, 1)])
+def test_shard_to_shard_counts_an_all_to_all_not_a_gather(rows, rank, expected):
+    """DTensor's Shard(1) -> Shard(0) (Muon dealing stacked matrices over FSDP's ranks) is an all-to-all
+    on GPUs, but on the simulation's CPU mesh torch gathers the whole tensor first: on Kimi K2 at 1024
+    GPUs that counted 136 GiB for the optimizer step of the first pipeline rank. Simulated, it allocates
+    this rank's chunk only (torch.chunk's split of `rows` over 4 ranks)."""
+    from torch.distributed.tensor import placement_types
+
+    from torchtitan.memory_estimation.torch_internals import gpu_all_to_all
+
+    local = torch.empty(rows, 3, 2)  # this rank's shard of dimension 2 (8 columns over 4 ranks)
+    with gpu_all_to_all():
+        out = placement_types.shard_dim_alltoall(local, 2, 0, _Mesh(4, rank), 0)
+    assert tuple(out.shape) == (expected, 3, 8)
 
 
 @pytest.mark.parametrize(

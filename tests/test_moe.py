@@ -143,8 +143,9 @@ ONE_MOE_BLOCK = {
 @pytest.mark.parametrize("name", ONE_MOE_BLOCK)
 def test_moe_blocks_compile_whole(name):
     """Without expert parallelism an MoE block compiles as one graph (fullgraph: attention, router,
-    dispatch, grouped experts, combine), activation-checkpointed too, and trains as eager does; its tokens
-    are counted once, though checkpointing recomputes the forward."""
+    dispatch, grouped experts, combine, the sequence-wise balance loss's statistics), activation-
+    checkpointed too, and trains as eager does; its tokens are counted once, though checkpointing
+    recomputes the forward."""
     from torchtitan.parallelisms.parallelize import apply_ac, apply_compile
 
     args = ONE_MOE_BLOCK[name]
@@ -157,8 +158,10 @@ def test_moe_blocks_compile_whole(name):
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
             apply_compile(model, fullgraph=True)
+        balance = LoadBalance([model], MoEConfig(aux_loss_coef=0.0, sequence_aux_loss_coeff=0.1), None, None)
         tokens = torch.randint(0, args.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
-        F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        (loss + 0.1 * balance.sequence_aux_loss()).backward()
         models.append(model)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     for eager, compiled in zip(*(m.parameters() for m in models)):
@@ -263,3 +266,106 @@ def test_bias_balancing_moves_against_the_load():
     assert torch.equal(layer.expert_bias, expected)
     assert load.sum() == 2 * 16 * 2 and layer.tokens_per_expert.sum() == 0
     assert "aux_loss" not in metrics and metrics["expert_load"] >= 1.0
+
+
+# Two sparse layers of each family's routing: Qwen3-MoE's softmax probabilities, DeepSeek-V3's sigmoid
+# scores (normalised over the experts for the loss) in groups.
+TWO_MOE_LAYERS = {
+    "qwen3_moe": replace(ARGS, n_layers=2, mlp_only_layers=()),
+    "deepseek_v3": replace(ONE_MOE_BLOCK["deepseek_v3"], n_layers=2),
+}
+
+
+def sequence_loss_by_hand(layer_inputs: list[tuple[MoE, torch.Tensor]]) -> torch.Tensor:
+    """DeepSeek-V3's eqs. 17-20 written out from each layer's router outputs, per sequence b (a row)
+    of T tokens: s'_{t,e} the token's scores normalised over all experts (softmax: its probabilities),
+    f_e = E / (K T) * #{t : e among t's top-k} (no gradient), P_e = mean_t s'_{t,e}, and the loss
+    sum_e f_e P_e; its mean over the sequences, summed over the layers."""
+    total = torch.zeros(())
+    for moe, x in layer_inputs:
+        E, K = moe.num_experts, moe.top_k
+        B, T, _ = x.shape
+        logits = x.float() @ moe.router.weight.float().T
+        if moe.score_func == "softmax":
+            s_norm = logits.softmax(-1)
+        else:
+            s = logits.sigmoid()
+            s_norm = s / s.sum(-1, keepdim=True)  # eq. 20: s'_{i,t} = s_{i,t} / sum_j s_{j,t}
+        _, chosen, _ = moe.route(x.reshape(-1, x.shape[-1]))
+        chosen = chosen.view(B, T, K)
+        for b in range(B):
+            loss_b = torch.zeros(())
+            for e in range(E):
+                f = E / (K * T) * sum(int(e in chosen[b, t].tolist()) for t in range(T))  # eq. 18
+                P = s_norm[b, :, e].sum() / T  # eq. 19
+                loss_b = loss_b + f * P  # eq. 17, without alpha
+            total = total + loss_b / B
+    return total
+
+
+@pytest.mark.parametrize("name", TWO_MOE_LAYERS)
+def test_sequence_balance_loss_is_deepseek_v3s_equations(name):
+    """On a fixed batch of 3 sequences, the sequence-wise balance loss (moe.sequence_aux_loss_coeff),
+    its router gradients and its logged metric (the mean over the layers) equal eqs. 17-20 computed
+    by hand from the routers' outputs; the batch-wise loss of the same routing differs."""
+    args = TWO_MOE_LAYERS[name]
+    model = MODEL_SPECS[name].build(args)
+    model.init_weights(seed=0)
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    assert len(layers) == 2
+    inputs = []
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda module, args: inputs.append((module, args[0])))
+    config = MoEConfig(aux_loss_coef=0.0, sequence_aux_loss_coeff=1e-4)
+    balance = LoadBalance([model], config, dp=None, pp=None)
+    tokens = torch.randint(0, args.vocab_size, (3, 12), generator=torch.Generator().manual_seed(4))
+    model(tokens)
+    loss = balance.sequence_aux_loss()
+    routers = [layer.router.weight for layer in layers]
+    grads = torch.autograd.grad(loss, routers, retain_graph=True)
+    expected = sequence_loss_by_hand(inputs)
+    expected_grads = torch.autograd.grad(expected, routers)
+    assert expected.item() > 1.0 and abs(loss.item() - expected.item()) < 1e-6, (loss, expected)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert all(layer.sequence_stats is None for layer in layers)  # taken by the loss
+    metrics = balance.step_done()
+    assert abs(metrics["seq_aux_loss"].item() - expected.item() / 2) < 1e-6
+    assert "aux_loss" not in metrics
+    # The whole batch pooled as one sequence (a batch-wise loss) is not the mean of the sequences'.
+    pooled = sequence_loss_by_hand([(m, x.reshape(1, -1, x.shape[-1])) for m, x in inputs])
+    assert abs(pooled.item() - expected.item()) > 1e-3
+
+
+def test_train_step_adds_the_weighted_sequence_loss_to_each_microbatch():
+    """Gradient accumulation over 2 micro-batches: TrainStep's gradients are those of the mean over the
+    micro-batches of (language-model loss + alpha x sequence-wise loss), written out here."""
+    from torchtitan.config.options import JobConfig
+    from torchtitan.parallelisms.parallel_dims import ParallelDims
+    from torchtitan.train_step import TrainStep, loss_fn
+
+    args, alpha = TWO_MOE_LAYERS["deepseek_v3"], 0.5
+    config = MoEConfig(aux_loss_coef=0.0, sequence_aux_loss_coeff=alpha)
+    tokens = torch.randint(0, args.vocab_size, (4, 13), generator=torch.Generator().manual_seed(5))
+    batches = [(tokens[i : i + 2, :-1], tokens[i : i + 2, 1:]) for i in (0, 2)]
+    grads = []
+    for by_hand in (False, True):
+        model = MODEL_SPECS["deepseek_v3"].build(args)
+        model.init_weights(seed=0)
+        balance = LoadBalance([model], config, dp=None, pp=None)
+        if by_hand:
+            for inputs, labels in batches:
+                objective = loss_fn(model(inputs), labels) + alpha * balance.sequence_aux_loss()
+                (objective / 2).backward()
+        else:
+            dims = ParallelDims(dp_shard=1, world_size=1)
+            training = JobConfig().training
+            training.mixed_precision_param = "float32"
+            step = TrainStep([model], None, dims, training, torch.device("cpu"), balance)
+            step.forward_backward(iter(batches), microbatches=2)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        metric = balance.step_done()["seq_aux_loss"]
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grad, grads[1][name], rtol=0, atol=1e-6, msg=name)
+    assert metric > 1.0

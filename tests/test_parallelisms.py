@@ -21,6 +21,7 @@ from launch import TINY_JOB, run_train_in_process, spawn_forked
 from test_convert import random_model
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -44,9 +45,16 @@ from torchtitan.models.qwen3 import Qwen3ModelArgs
 from torchtitan.models.qwen3.model import Transformer as Qwen3Transformer
 from torchtitan.models.qwen3_moe import Qwen3MoeModelArgs
 from torchtitan.models.qwen3_moe.model import Transformer as Qwen3MoeTransformer
+from torchtitan.parallelisms.context_parallel import load_balanced_positions
 from torchtitan.parallelisms.distributed import clip_grad_norm_
 from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.parallelize import apply_ac, apply_compile, parallelize, set_grad_all_reduce
+from torchtitan.parallelisms.parallelize import (
+    apply_ac,
+    apply_compile,
+    fsdp_mesh,
+    parallelize,
+    set_grad_all_reduce,
+)
 from torchtitan.train_step import TrainStep, parallelize_model
 
 TINY = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=16)
@@ -417,23 +425,55 @@ def _chunked_step_diffs(mesh, dims: ParallelDims, tokens: torch.Tensor, **parall
     return _max_over_ranks([(chunked_loss - loss).abs(), grad_diff, (chunked_evaluation - evaluation).abs()])
 
 
+# The sequence-wise balance loss's weight in the MoE steps below: large, so that its gradient shows.
+SEQUENCE_AUX = 0.1
+
+
 def _moe_step(model: nn.Module, tokens: torch.Tensor, dp_mesh, worst_case: bool, tp_mesh=None) -> tuple:
-    """One step's loss (the mean over the data-parallel ranks), auxiliary loss (its logged metric) and
-    full gradients of a Qwen3-MoE, the auxiliary loss's statistics over `dp_mesh`'s and `tp_mesh`'s
-    ranks; `worst_case`: every token routed to the experts of the first EP rank."""
+    """One step's loss (the mean over the data-parallel ranks), auxiliary losses (the batch-wise and
+    the sequence-wise one, their logged metrics) and full gradients of a mixture-of-experts model, the
+    losses' statistics over `dp_mesh`'s and `tp_mesh`'s ranks; `worst_case`: every token routed to the
+    experts of the first EP rank."""
     if worst_case:
         with torch.no_grad():
             for moe in (m for m in model.modules() if isinstance(m, MoE)):
                 moe.expert_bias.copy_(torch.tensor(WORST_CASE_BIAS))
-    balance = LoadBalance([model], MoEConfig(), dp=dp_mesh, pp=None, tp=tp_mesh)
+    config = MoEConfig(sequence_aux_loss_coeff=SEQUENCE_AUX)
+    balance = LoadBalance([model], config, dp=dp_mesh, pp=None, tp=tp_mesh)
     loss = _loss(model, tokens)
-    (loss + 0.001 * balance.aux_loss()).backward()
-    aux_loss = balance.step_done()["aux_loss"]
+    (loss + 0.001 * balance.aux_loss() + SEQUENCE_AUX * balance.sequence_aux_loss()).backward()
+    metrics = balance.step_done()
     loss = loss.detach()
     if dp_mesh is not None:
         dist.all_reduce(loss, group=dp_mesh.get_group())
         loss /= dp_mesh.size()
-    return loss, aux_loss, {clean_fqn(n): _full(p.grad) for n, p in model.named_parameters()}
+    grads = {clean_fqn(n): _full(p.grad) for n, p in model.named_parameters()}
+    return loss, metrics["aux_loss"], metrics["seq_aux_loss"], grads
+
+
+def _sequence_loss_step(mesh=None, dims: ParallelDims | None = None) -> tuple:
+    """A DeepSeek-V3 mixture-of-experts layer (sigmoid scores in 2 groups) on 4 sequences of 16 tokens:
+    the logged sequence-wise balance loss and the router's full gradient of a mean over the tokens
+    plus that loss. With `mesh` (dp_shard x cp), each dp rank holds 2 of the sequences and each cp rank
+    its tokens of them as context parallelism deals them (the layer acts on each token alone), the
+    layer an FSDP unit over dp_shard x cp as a block is under CP (its gradients averaged over both)."""
+    torch.manual_seed(SEED)
+    moe = MoE(dim=16, hidden_dim=8, num_experts=4, top_k=2, score_func="sigmoid", n_group=2)
+    with torch.no_grad():
+        for param in moe.parameters():
+            param.normal_(0.0, 0.3)
+    part = nn.Sequential(moe)
+    part.model_args = replace(DSV3_TINY, top_k=2, num_experts=4)
+    x = torch.randn(4, 16, 16, generator=torch.Generator().manual_seed(6))
+    dp = cp = None
+    if mesh is not None:
+        dp, cp = mesh["dp_shard"], mesh["cp"]
+        positions = load_balanced_positions(16, cp.size(), cp.get_local_rank())
+        x = x[2 * dp.get_local_rank() : 2 * dp.get_local_rank() + 2][:, positions]
+        fully_shard(part, mesh=fsdp_mesh(mesh, dims))
+    balance = LoadBalance([part], MoEConfig(aux_loss_coef=0.0, sequence_aux_loss_coeff=1.0), dp, None, cp=cp)
+    (part(x).pow(2).mean() + balance.sequence_aux_loss()).backward()
+    return balance.step_done()["seq_aux_loss"], _full(moe.router.weight.grad)
 
 
 def _bf16_step(args, cls, dims: ParallelDims | None, tokens: torch.Tensor, **parallelism) -> tuple:
@@ -546,6 +586,19 @@ def _mesh_worker(rank: int, world_size: int, tmp_dir: str) -> None:
         dp_rank = mesh["dp_shard"].get_local_rank()
         tokens = moe_batch[dp_rank : dp_rank + 1]
         results["moe_ep_tp"] = _moe_step(model, tokens, mesh["dp_shard"], False, mesh["tp"])
+        # DeepSeek-V3 (sigmoid scores in groups, a shared expert, MLA) on FSDP 2 x TP 2: each tp rank
+        # routes its half of its dp rank's sequence.
+        dims = ParallelDims(dp_shard=2, tp=2, world_size=4, enable_loss_parallel=False)
+        mesh = dims.build_mesh("cpu")
+        config = _config(tensor_parallel_degree=2, enable_loss_parallel=False)
+        config.model.name = "deepseek_v3"
+        model = _build(DSV3_TINY, mesh, dims, config, DeepSeekV3Transformer)
+        dp_rank = mesh["dp_shard"].get_local_rank()
+        tokens = moe_batch[dp_rank : dp_rank + 1]
+        results["moe_dsv3_tp"] = _moe_step(model, tokens, mesh["dp_shard"], False, mesh["tp"])
+        # The sequence-wise balance loss under CP 2 x FSDP 2: each sequence's counts over its cp ranks.
+        dims = ParallelDims(dp_shard=2, cp=2, world_size=4)
+        results["moe_cp_sequence_loss"] = _sequence_loss_step(dims.build_mesh("cpu"), dims)
 
         # bf16 on FSDP 4 (Llama: the embeddings a unit of their own) and DDP 4 (Qwen3, tied embeddings:
         # the root keeps the table), each rank on the same batch.
@@ -770,12 +823,14 @@ def test_expert_parallel_steps_leak_nothing(mesh_results):
 
 @pytest.mark.parametrize("case", ["moe_ep", "moe_ep_worst_case", "moe_ep_tp"])
 def test_expert_parallel_step_matches_single_process(mesh_results, case):
-    """EP 2 on 4 FSDP ranks, each with a quarter of the batch: the loss, the auxiliary loss and every
-    weight's gradient, each expert's included, are those of one process on the whole batch (with the
-    expert gradients divided by the whole data-parallel degree, not by the ranks FSDP shards them over);
-    also when every token goes to the first EP rank's experts and the second receives none, with full
+    """EP 2 on 4 FSDP ranks, each with a quarter of the batch: the loss, the auxiliary losses (the
+    batch-wise one, and the sequence-wise one of each rank's own sequences) and every weight's
+    gradient, each expert's included, are those of one process on the whole batch (with the expert
+    gradients divided by the whole data-parallel degree, not by the ranks FSDP shards them over); also
+    when every token goes to the first EP rank's experts and the second receives none, with full
     activation checkpointing; and EP 2 with TP 2 on 2 data-parallel ranks, each tp rank routing its
-    half of the sequence (the router's and experts' gradients summed over tp by FSDP)."""
+    half of the sequence (the router's and experts' gradients summed over tp by FSDP; a sequence's
+    counts summed over its tp ranks)."""
     experts = "layers.0.feed_forward.experts.w1"
     if case == "moe_ep_tp":  # EP over the dp ranks, FSDP over the tp ranks; the router over both
         placements = mesh_results["moe_ep_tp_placements"]
@@ -786,13 +841,43 @@ def test_expert_parallel_step_matches_single_process(mesh_results, case):
     model = _build(MOE_TINY, None, None, None, Qwen3MoeTransformer)
     moe_batch = torch.randint(0, MOE_TINY.vocab_size, (4, 17), generator=torch.Generator().manual_seed(2))
     batch = moe_batch[:2] if case == "moe_ep_tp" else moe_batch
-    loss, aux_loss, grads = _moe_step(model, batch, None, case == "moe_ep_worst_case")
-    ep_loss, ep_aux_loss, ep_grads = mesh_results[case]
+    loss, aux_loss, sequence_loss, grads = _moe_step(model, batch, None, case == "moe_ep_worst_case")
+    ep_loss, ep_aux_loss, ep_sequence_loss, ep_grads = mesh_results[case]
     torch.testing.assert_close(ep_loss, loss, rtol=0, atol=1e-6)
     torch.testing.assert_close(ep_aux_loss, aux_loss, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ep_sequence_loss, sequence_loss, rtol=0, atol=1e-6)
     assert ep_grads.keys() == grads.keys()
     for name, grad in grads.items():
         torch.testing.assert_close(ep_grads[name], grad, rtol=0, atol=1e-6, msg=name)
+
+
+def test_deepseek_v3_moe_step_on_fsdp_tp_matches_single_process(mesh_results):
+    """FSDP 2 x TP 2, DeepSeek-V3 (MLA, sigmoid routing in groups, a shared expert), every balancing
+    loss on: each tp rank routes half of its dp rank's sequence, so the sequence-wise loss sums each
+    sequence's counts over its tp ranks; the loss, the logged auxiliary losses and every gradient are one
+    process's on the 2 sequences within 1e-6."""
+    model = _build(DSV3_TINY, None, None, None, DeepSeekV3Transformer)
+    moe_batch = torch.randint(0, MOE_TINY.vocab_size, (4, 17), generator=torch.Generator().manual_seed(2))
+    loss, aux_loss, sequence_loss, grads = _moe_step(model, moe_batch[:2], None, False)
+    tp_loss, tp_aux_loss, tp_sequence_loss, tp_grads = mesh_results["moe_dsv3_tp"]
+    assert sequence_loss > 1.0
+    for got, want in ((tp_loss, loss), (tp_aux_loss, aux_loss), (tp_sequence_loss, sequence_loss)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert tp_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(tp_grads[name], grad, rtol=0, atol=1e-6, msg=name)
+
+
+def test_sequence_balance_loss_under_context_parallelism_matches_single_process(mesh_results):
+    """CP 2 x FSDP 2: each cp rank holds half of each sequence's tokens, so a sequence's counts are
+    summed over its cp ranks (T and f_e are the whole sequence's) and each rank's loss is its tokens'
+    share, scaled by the cp degree as FSDP averages the cp ranks' gradients: the logged loss and the
+    router's gradient are one process's on the 4 sequences."""
+    loss, grad = _sequence_loss_step()
+    cp_loss, cp_grad = mesh_results["moe_cp_sequence_loss"]
+    assert loss > 1.0
+    torch.testing.assert_close(cp_loss, loss, rtol=0, atol=1e-6)
+    torch.testing.assert_close(cp_grad, grad, rtol=0, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from scripts.parity_layouts import (
     QWEN3_CP_CI_BLOCK,
     QWEN3_MOE_BOTH,
     QWEN3_MOE_MUON,
+    SEQUENCE_AUX,
     Layout,
     cp,
     ep,
@@ -75,9 +76,10 @@ CI_LAYOUTS = [
     # Qwen3-MoE (docs/moe.md), both balancing methods on: expert parallelism with TP 2
     # on attention and its dense first layer (each tp rank routes its own sequence shard), activations
     # recomputed (the all-to-alls too) and the chunked loss; PP x EP: the stages pass the router
-    # statistics on for the auxiliary loss, and take the bias through their first-step shape inference
-    # unchanged (one micro-batch: a pipeline's auxiliary loss is each micro-batch's, so with more it
-    # equals one process accumulating the same micro-batches, scripts/parity_matrix.py's PP layouts).
+    # statistics on for the auxiliary loss and add their layers' sequence-wise balance loss to what they
+    # pass on, and take the bias through their first-step shape inference unchanged (one micro-batch:
+    # a pipeline's auxiliary loss is each micro-batch's, so with more it equals one process
+    # accumulating the same micro-batches, scripts/parity_matrix.py's PP layouts).
     # The first with packed documents attending within themselves (block_causal: FSDP, EP, TP with
     # sequence parallelism, AC, the chunked loss; compile and selective op AC under EP with it:
     # test_chunked_loss.py, which shares its reference). EP 2 on FSDP 4, worst-case routing
@@ -91,18 +93,24 @@ CI_LAYOUTS = [
         (*QWEN3_MOE_BOTH, *BLOCK_CAUSAL),
     ),
     Layout(
-        "Qwen3-MoE aux + bias, Muon: PP 2 x EP 2, GPipe, 1 micro-batch",
+        "Qwen3-MoE aux + sequence-wise + bias, Muon: PP 2 x EP 2, GPipe, 1 micro-batch",
         4,
         2,
         4,
         pp(2, "GPipe") + ep(2) + ("--parallelism.pipeline_parallel_microbatches", "1"),
-        QWEN3_MOE_MUON,
+        (*QWEN3_MOE_MUON, *SEQUENCE_AUX),
     ),
-    # DeepSeek-V3's debug flavour (docs/models.md), both balancing methods on, packed documents: MLA split
+    # DeepSeek-V3's debug flavour (docs/models.md), every balancing method on, packed documents: MLA split
     # by heads under TP, its latents sequence-parallel and the shared RoPE key's gradient summed over the
     # tp ranks; DeepSeekMoE's shared expert, groups and routed scale under EP. FSDP 2, EP 2 alone and the
     # plain-q flavour under TP: scripts/parity_matrix.py; against transformers: test_deepseek_v3.py.
     Layout("DeepSeek-V3, block_causal: EP 2 x TP 2", 4, 2, 4, ep(2) + tp(2), DEEPSEEK_V3),
+    # Context parallelism with a mixture of experts (the same reference): MLA gathers its latents over
+    # the cp ranks; the experts' FSDP unit spans cp, and the expert counts and the auxiliary loss's
+    # statistics are summed over dp x cp (docs/moe.md). CP 2 alone, Qwen3-MoE's CP 2 and CP 2 x TP 2:
+    # scripts/parity_matrix.py; MLA's gathers against one process, value and gradient:
+    # test_context_parallel.py.
+    Layout("DeepSeek-V3, block_causal: CP 2 x EP 2", 4, 2, 4, cp(2) + ep(2), DEEPSEEK_V3),
 ]
 
 

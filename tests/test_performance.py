@@ -13,10 +13,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from scripts.benchmarks.gpu_kernels import part_moe_grouped_mm
+from scripts.benchmarks.moe import qwen3_moe_like_deepseek_v3
 from torchtitan.metrics import MetricLogger, peak_flops
 from torchtitan.metrics import flops_per_token as flops_per_token_fn
+from torchtitan.models import MODEL_SPECS
+from torchtitan.models.deepseek_v3 import deepseek_flops_per_token, deepseek_v3_configs
+from torchtitan.models.deepseek_v3.model import Transformer as DeepSeekV3Transformer
 from torchtitan.models.llama import ModelArgs, llama3_configs
 from torchtitan.models.llama.model import Transformer
+from torchtitan.models.qwen3_moe import moe_flops_per_token
 
 
 def test_flops_per_token_matches_the_flops_torch_counts():
@@ -36,6 +41,58 @@ def test_flops_per_token_matches_the_flops_torch_counts():
         model.num_params(exclude_embedding=True), args.n_layers, args.n_heads, args.dim // args.n_heads, seq
     )
     assert counter.get_total_flops() / (batch * seq) == pytest.approx(per_token, rel=5e-3)
+
+
+def test_deepseek_v3_flops_are_its_active_parameters_and_mla_attention():
+    """DeepSeek-V3's debug flavour, counted by hand: per token, 6 FLOPs per weight it multiplies by (MLA's
+    five projections, the dense SwiGLU, the router, 2 of the 8 routed experts and the shared one, the
+    output layer, the norms' weights) and MLA's attention at its head sizes (48 for scores, 32 for the
+    values); and that equals the FLOPs of a real forward + backward, the grouped expert matmuls counted
+    as the rows they multiply (the routed experts' 6 idle of 8 are not run)."""
+    args = replace(deepseek_v3_configs["debugmodel"], vocab_size=128, max_seq_len=64)
+    dim, vocab, seq = 256, 128, 64
+    attention = dim * 64 + 64 * 4 * 48 + dim * (32 + 16) + 32 * 4 * (32 + 32) + 4 * 32 * dim  # wq_a..wo
+    dense, expert = 3 * dim * 512, 3 * dim * 128
+    sparse = dim * 8 + 2 * expert + expert  # router, 2 routed experts, the shared one
+    norms = 3 * (dim + dim + 64 + 32) + dim  # per block: 2 norms, q_norm, kv_norm; the final norm
+    active = 3 * attention + dense + 2 * sparse + dim * vocab + norms
+    by_hand = 6 * active + 6 * 3 * 4 * (48 + 32) * seq
+    with torch.device("meta"):
+        model = DeepSeekV3Transformer(args)
+    per_token = deepseek_flops_per_token(args, model.num_params(exclude_embedding=True), seq)
+    assert per_token == by_hand
+
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    batch = 2
+    tokens = torch.randint(0, vocab, (batch, seq + 1))
+    # The grouped matmuls, by their shapes: (rows, in) x (experts, out, in) or (experts, in, out) is 2 FLOPs
+    # per row, input and output feature; the weight gradient (rows, a) x (rows, b) -> (experts, a, b).
+    formulas = {
+        torch.ops.torchtitan.grouped_mm: lambda x, w, *_, **__: 2 * x[0] * w[1] * w[2],
+        torch.ops.torchtitan.grouped_mm_weight_grad: lambda a, b, *_, **__: 2 * a[0] * a[1] * b[1],
+    }
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False, custom_mapping=formulas) as counter:
+        F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    # Exactly, but for the norms' weights (6 FLOPs each in the formula, none the counter sees: 0.16%).
+    assert counter.get_total_flops() / (batch * seq) == per_token - 6 * norms
+
+
+def test_the_benchmarks_qwen3_moe_has_deepseek_v3s_active_parameters():
+    """benchmark.py's DeepSeek-V3 step-time row divides by a Qwen3-MoE of the same active parameters: the
+    same matmul weights per token (MLA's five projections as GQA's four, the shared expert as a third
+    routed one); only the norms' weights differ (q_norm and kv_norm against the per-head q and k norms)."""
+    qwen3_moe_args = replace(qwen3_moe_like_deepseek_v3(), vocab_size=128, max_seq_len=64)
+    deepseek_args = replace(deepseek_v3_configs["debugmodel"], vocab_size=128, max_seq_len=64)
+    active = []
+    for name, args, flops in (
+        ("qwen3_moe", qwen3_moe_args, moe_flops_per_token),
+        ("deepseek_v3", deepseek_args, deepseek_flops_per_token),
+    ):
+        with torch.device("meta"):
+            model = MODEL_SPECS[name].build(args)
+        active.append(flops(args, model.num_params(exclude_embedding=True), 0) / 6)
+    assert active[1] - active[0] == 3 * ((64 + 32) - (32 + 32))  # per layer: q_norm + kv_norm, q + k norms
 
 
 @pytest.mark.parametrize(

@@ -92,13 +92,17 @@ def check_parallelism(job_config: JobConfig, parallel_dims: ParallelDims, model_
         )
 
 
-def check_context_parallel(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-    """What context parallelism cannot run with yet: a mixture of experts (its layers' gradients and
-    balancing statistics would need the cp ranks too)."""
-    if parallel_dims.cp_enabled and model_spec(job_config.model).moe:
+def check_context_parallel(job_config: JobConfig, parallel_dims: ParallelDims, model_args: ModelArgs) -> None:
+    """What context parallelism cannot run with yet: multi-head latent attention (a `kv_lora_rank`:
+    deepseek_v3) with TP, whose sequence-parallel latents would be gathered over tp inside wkv_b and
+    over cp before it, in two orders (its latent gather, parallelisms/context_parallel.py, runs on the
+    cp ranks' whole latents)."""
+    latent_attention = getattr(model_args, "kv_lora_rank", None) is not None
+    if parallel_dims.cp_enabled and parallel_dims.tp_enabled and latent_attention:
         raise ConfigError(
-            f"parallelism.context_parallel_degree: {job_config.model.name} is a mixture of experts, which "
-            "context parallelism does not split yet; use context_parallel_degree 1 or a dense model"
+            f"parallelism.context_parallel_degree: {job_config.model.name}'s latent attention gathers its "
+            "latents over the cp ranks, which tensor parallelism's sequence-parallel latents do not compose "
+            "with yet; use tensor_parallel_degree 1 with context parallelism (or context_parallel_degree 1)"
         )
 
 
@@ -117,7 +121,7 @@ def check_tied_pipeline(job_config: JobConfig, model_args: ModelArgs) -> None:
 def check_moe(job_config: JobConfig, parallel_dims: ParallelDims, model_args: ModelArgs) -> None:
     """Expert parallelism splits a mixture-of-experts model's experts evenly; what such a model cannot run
     with yet: TP without FSDP (its layers' gradients are summed over the tp ranks by FSDP), and its
-    auxiliary loss under PP with replicas alone (the stages pass its statistics on through FSDP's
+    auxiliary losses under PP with replicas alone (the stages pass their statistics on through FSDP's
     unit, parallelisms/pipeline.py)."""
     name = job_config.model.name
     if not model_spec(job_config.model).moe:
@@ -137,20 +141,26 @@ def check_moe(job_config: JobConfig, parallel_dims: ParallelDims, model_args: Mo
             f"parallelism.expert_parallel_degree: {parallel_dims.ep} does not divide the "
             f"{model_args.num_experts} experts of {name} {job_config.model.flavor}; choose a divisor"
         )
-    if parallel_dims.tp_enabled and not parallel_dims.dp_shard_enabled:
+    if parallel_dims.tp_enabled and not parallel_dims.fsdp_enabled:
         raise ConfigError(
             f"parallelism.tensor_parallel_degree: {name}'s experts are not tensor-parallel: each tp rank "
             "routes its own tokens and FSDP sums their gradients, so TP needs data_parallel_shard_degree "
-            "> 1 with it; use FSDP (data_parallel_shard_degree -1) or tensor_parallel_degree 1"
+            "> 1 or context_parallel_degree > 1 with it; use FSDP (data_parallel_shard_degree -1) or "
+            "tensor_parallel_degree 1"
         )
-    ddp = parallel_dims.dp_replicate_enabled and not parallel_dims.dp_shard_enabled
-    if parallel_dims.pp_enabled and job_config.moe.aux_loss_coef and ddp:
-        raise ConfigError(
-            f"moe.aux_loss_coef: {name}'s auxiliary loss under pipeline parallelism needs FSDP or no "
-            "data parallelism, not replicas alone (DDP); use data_parallel_shard_degree instead of "
-            "data_parallel_replicate_degree, or balance with moe.aux_loss_coef 0 and "
-            "moe.bias_update_rate (e.g. 0.001)"
-        )
+    ddp = parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled
+    moe = job_config.moe
+    for option, coef in (
+        ("aux_loss_coef", moe.aux_loss_coef),
+        ("sequence_aux_loss_coeff", moe.sequence_aux_loss_coeff),
+    ):
+        if parallel_dims.pp_enabled and coef and ddp:
+            raise ConfigError(
+                f"moe.{option}: {name}'s auxiliary loss under pipeline parallelism needs FSDP or no "
+                "data parallelism, not replicas alone (DDP); use data_parallel_shard_degree instead of "
+                f"data_parallel_replicate_degree, or balance with moe.{option} 0 and "
+                "moe.bias_update_rate (e.g. 0.001)"
+            )
 
 
 def check_routing_and_latents(job_config: JobConfig, model_args: ModelArgs) -> None:
@@ -159,10 +169,9 @@ def check_routing_and_latents(job_config: JobConfig, model_args: ModelArgs) -> N
     enough for top_k experts; multi-head latent attention's rope slice must fit its head and have pairs to
     rotate. Torch-free, so the preflight refuses a bad flavour before any worker starts."""
     where = f"model.flavor: {job_config.model.name} {job_config.model.flavor}"
-    n_group = getattr(model_args, "n_group", 1)
-    if n_group > 1:
-        experts, topk_group = model_args.num_experts, model_args.topk_group
-        if experts % n_group or experts // n_group < 2:
+    if hasattr(model_args, "n_group"):  # one group (n_group 1) is no limit, but topk_group must be 1
+        n_group, experts, topk_group = model_args.n_group, model_args.num_experts, model_args.topk_group
+        if n_group < 1 or experts % n_group or experts // n_group < 2:
             raise ConfigError(
                 f"{where} splits {experts} experts into n_group {n_group} groups; n_group must divide the "
                 "experts with at least 2 per group (a group scores by its best two)"
@@ -432,7 +441,7 @@ def check_layout(
     check_parallelism(job_config, parallel_dims, model_args)
     check_moe(job_config, parallel_dims, model_args)
     check_routing_and_latents(job_config, model_args)
-    check_context_parallel(job_config, parallel_dims)
+    check_context_parallel(job_config, parallel_dims, model_args)
     if parallel_dims.pp_enabled:
         check_tied_pipeline(job_config, model_args)
         check_pipeline(job_config, model_args.n_layers)

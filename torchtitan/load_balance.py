@@ -1,13 +1,19 @@
-"""Expert load balancing for mixture-of-experts models (torchtitan/models/moe.py), both optional:
+"""Expert load balancing for mixture-of-experts models (torchtitan/models/moe.py), each optional:
 
 - `moe.aux_loss_coef`: the auxiliary loss of transformers' Qwen3-MoE, num_experts * sum_e f_e * P_e,
   where f_e is the share of (token, choice) assignments that went to expert e and P_e its mean router
   probability, both pooled over the sparse layers and the tokens of a micro-batch. f_e (no gradient) is
-  counted over the micro-batch of every data-parallel and tensor-parallel rank, and the mean of the
-  ranks' P_e is the global one, so the loss of a micro-batch is the same whatever the layout.
+  counted over the micro-batch of every data-parallel, context-parallel and tensor-parallel rank, and
+  the mean of the ranks' P_e is the global one, so the loss of a micro-batch is the same whatever the
+  layout (a cp rank routes its pieces of each sequence as a dp rank its sequences: both are ranks
+  whose tokens differ, over which FSDP averages the gradients).
+- `moe.sequence_aux_loss_coeff`: DeepSeek-V3's sequence-wise balance loss (`sequence_balance` in
+  torchtitan/models/moe.py), per sparse layer and sequence (a row of the micro-batch); a micro-batch's
+  is the sum over the layers of its mean over the sequences. A sequence's counts are summed over the
+  tensor- and context-parallel ranks that hold its tokens; each rank's loss is its tokens' share.
 - `moe.bias_update_rate`: DeepSeek-V3's auxiliary-loss-free balancing. After each optimizer step every
   expert's routing bias moves by rate * sign(mean load - its load), from the tokens all data-parallel
-  (and tensor-parallel) ranks sent it during the step: the same bias on every rank.
+  (context-parallel and tensor-parallel) ranks sent it during the step: the same bias on every rank.
 """
 
 import torch
@@ -16,13 +22,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.config.options import MoEConfig
-from torchtitan.models.moe import MoE
+from torchtitan.models.moe import MoE, sequence_balance
 
 
 class LoadBalance:
-    """The MoE layers of this rank's model parts and what balances them; `dp`: the data-parallel mesh
-    (None without data parallelism), `pp`: the pipeline mesh, `tp`: the tensor-parallel mesh, whose
-    ranks each route their own sequence shard of the batch (torchtitan/models/llama/tp_plan.py)."""
+    """The MoE layers of this rank's model parts and what balances them; `dp`: the mesh of the ranks
+    whose tokens differ, data-parallel x context-parallel (Meshes.dp_cp; None on one such rank), `pp`:
+    the pipeline mesh, `tp`: the tensor-parallel mesh, whose ranks each route their own sequence shard
+    of the batch (torchtitan/models/llama/tp_plan.py), `cp`: the context-parallel mesh, whose ranks each
+    route their own pieces of every sequence (a sequence's counts for the sequence-wise loss)."""
 
     def __init__(
         self,
@@ -31,6 +39,7 @@ class LoadBalance:
         dp: DeviceMesh | None,
         pp: DeviceMesh | None,
         tp: DeviceMesh | None = None,
+        cp: DeviceMesh | None = None,
     ) -> None:
         self.layers = [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
         # The same on every rank: a pipeline stage of dense layers only still joins the collectives.
@@ -46,6 +55,18 @@ class LoadBalance:
         # The ranks among which each global batch's tokens are routed.
         self.token_groups = [mesh.get_group() for mesh in (dp, tp) if mesh is not None]
         self.aux_losses: list[torch.Tensor] = []  # this step's, one per micro-batch
+        self.sequence_aux_loss_coeff = config.sequence_aux_loss_coeff
+        for layer in self.layers:
+            layer.keep_sequence_stats = self.sequence_aux_loss_coeff > 0
+        # The ranks that hold one sequence's tokens, and the factor that makes a context-parallel rank's
+        # share of a loss its gradient's: FSDP averages over the cp ranks (as their language-model
+        # losses are each a mean over their own tokens) where it sums over the tp ranks.
+        self.sequence_groups = [mesh.get_group() for mesh in (tp, cp) if mesh is not None]
+        self.dp_group = dp.get_group() if dp is not None else None
+        self.cp_degree = cp.size() if cp is not None else 1
+        # This step's sequence-wise losses (this rank's shares) summed over layers and micro-batches,
+        # and how many (layer, micro-batch) pairs they are.
+        self.sequence_losses = [torch.zeros(()), 0]
 
     def _sum_over_tokens(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks that route the global batch's tokens."""
@@ -71,6 +92,26 @@ class LoadBalance:
         loss = self.num_experts * (shares * prob_sums / (rows * self.tp_degree)).sum()
         self.aux_losses.append(loss.detach())
         return loss
+
+    def sequence_aux_loss(self, layers: list[MoE] | None = None) -> torch.Tensor:
+        """The sequence-wise balance loss (without its weight) of the training forward just run through
+        `layers` (default: all of this rank's): per layer, the mean over the micro-batch's sequences;
+        summed over the layers. A pipeline stage takes its own layers' (the loss is a sum over layers).
+        With TP or CP, this rank's share: summed over the tp ranks and averaged over the cp ranks (as
+        FSDP reduces their gradients), the shares make the loss."""
+        stats = [m.sequence_stats for m in (self.layers if layers is None else layers)]
+        for layer in self.layers if layers is None else layers:
+            layer.sequence_stats = None  # the loss holds their graph now
+        stats = [s for s in stats if s is not None]  # None: no training forward (shape inference)
+        if not stats:
+            return torch.zeros(())
+        counts = torch.stack([counts for counts, _ in stats])  # (layers, sequences, experts)
+        for group in self.sequence_groups:
+            dist.all_reduce(counts, group=group)
+        losses = sequence_balance(counts, torch.stack([sums for _, sums in stats]), self.top_k).mean(-1)
+        self.sequence_losses[0] = self.sequence_losses[0].to(losses.device) + losses.detach().sum()
+        self.sequence_losses[1] += len(stats)
+        return self.cp_degree * losses.sum()
 
     @torch.no_grad()
     def step_done(self) -> dict[str, torch.Tensor]:
@@ -101,4 +142,23 @@ class LoadBalance:
                 dist.all_reduce(aux_loss, group=self.pp.get_group())
             metrics["aux_loss"] = aux_loss
         self.aux_losses = []
+        if self.sequence_aux_loss_coeff:
+            metrics["seq_aux_loss"] = self._sequence_metric(counts.device)
         return metrics
+
+    def _sequence_metric(self, device: torch.device) -> torch.Tensor:
+        """The step's sequence-wise balance loss (without its weight), the mean over the sparse layers,
+        the micro-batches and the global batch's sequences: 1.0 when every sequence spreads its tokens
+        evenly over the experts. The same on every rank."""
+        total, pairs = self.sequence_losses
+        total = total.to(device)
+        for group in self.sequence_groups:  # the tp and cp ranks' shares of the sequences' losses
+            dist.all_reduce(total, group=group)
+        if self.dp_group is not None:
+            dist.all_reduce(total, group=self.dp_group)
+        total = total / self.dp_degree
+        summed = torch.stack([total, torch.full((), float(pairs), device=device)])
+        if self.pp is not None:  # each stage holds its own layers'
+            dist.all_reduce(summed, group=self.pp.get_group())
+        self.sequence_losses = [torch.zeros((), device=device), 0]
+        return summed[0] / summed[1].clamp(min=1)

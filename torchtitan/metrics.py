@@ -178,8 +178,9 @@ class MetricLogger:
     ) -> None:
         """Log the window that ends at `step`; `skipped_steps` counts the steps so far whose
         non-finite gradients were dropped; `source_tokens`: a mixture's tokens per source so far; `moe`:
-        a mixture-of-experts model's `expert_load` and `aux_loss` of the step (torchtitan/load_balance.py);
-        `trained_tokens`: chat data's tokens with a target in the step's global batch (tps counts all)."""
+        a mixture-of-experts model's `expert_load`, `aux_loss` and `seq_aux_loss` of the step
+        (torchtitan/load_balance.py); `trained_tokens`: chat data's tokens with a target in the step's
+        global batch (tps counts all)."""
         now = time.perf_counter()
         step_time, steps = now - self._window_start, max(self._window_steps, 1)
         tps = self.tokens_per_step * self._window_steps / step_time if step_time > 0 else 0.0
@@ -224,6 +225,7 @@ class MetricLogger:
             f"{c.green}loss: {record['loss']:7.4f}  "
             f"{c.yellow}grad_norm: {record['grad_norm']:7.4f}  "
             + (f"aux_loss: {record['aux_loss']:.4f}  " if "aux_loss" in record else "")
+            + (f"seq_aux_loss: {record['seq_aux_loss']:.4f}  " if "seq_aux_loss" in record else "")
             + (f"expert_load: {record['expert_load']:.2f}  " if "expert_load" in record else "")
             + f"{c.gray}lr: {record['lr']:.2e}  "
             f"{c.blue}tps: {record['tps']:,.0f}  "

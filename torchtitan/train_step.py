@@ -143,14 +143,17 @@ class TrainStep:
             )
         # Context parallelism: each rank runs its share of every sequence's tokens (context_parallel.py).
         self.cp_mesh = cp_mesh
-        # A mixture-of-experts model's auxiliary loss joins each micro-batch's training loss.
+        # A mixture-of-experts model's auxiliary losses join each micro-batch's training loss.
         self.aux_loss_coef = load_balance.aux_loss_coef if load_balance is not None else 0.0
+        self.sequence_aux_loss_coeff = (
+            load_balance.sequence_aux_loss_coeff if load_balance is not None else 0.0
+        )
         self.load_balance = load_balance
         self.pipeline = pipeline
-        if pipeline is not None and self.aux_loss_coef:  # the last stage adds it to each micro-batch's loss
-            pipeline.aux_loss = lambda counts, prob_sums: (
-                self.aux_loss_coef * load_balance.pooled_aux_loss(counts, prob_sums)
-            )
+        if pipeline is not None and (self.aux_loss_coef or self.sequence_aux_loss_coeff):
+            pipeline.aux_loss = self._pipeline_aux_loss  # the last stage adds it to each micro-batch's loss
+            if self.sequence_aux_loss_coeff:  # each stage its own layers'
+                pipeline.sequence_loss = load_balance.sequence_aux_loss
         self.device = device
         self.grad_accum_steps = gradient_accumulation_steps(training_config, parallel_dims)
         self.autocast = autocast_context(training_config, device)
@@ -241,12 +244,27 @@ class TrainStep:
     ) -> torch.Tensor:
         loss = self._model_loss(inputs, labels, model_kwargs)
         objective = loss
-        if self.aux_loss_coef:
-            # Under loss parallel the loss is a replicated DTensor; the auxiliary loss is this rank's.
-            local_loss = loss.to_local() if isinstance(loss, DTensor) else loss
-            objective = local_loss + self.aux_loss_coef * self.load_balance.aux_loss()
+        if self.aux_loss_coef or self.sequence_aux_loss_coeff:
+            # Under loss parallel the loss is a replicated DTensor; the auxiliary losses are this rank's.
+            objective = loss.to_local() if isinstance(loss, DTensor) else loss
+            if self.aux_loss_coef:
+                objective = objective + self.aux_loss_coef * self.load_balance.aux_loss()
+            if self.sequence_aux_loss_coeff:
+                objective = objective + self.sequence_aux_loss_coeff * self.load_balance.sequence_aux_loss()
         (objective / microbatches).backward()
         return loss
+
+    def _pipeline_aux_loss(self, *router_stats: torch.Tensor) -> torch.Tensor:
+        """A pipeline micro-batch's weighted auxiliary losses from what its stages passed on
+        (parallelisms/pipeline.py's RouterStatsStage): the pooled loss's statistics, then the sum of the
+        stages' sequence-wise losses."""
+        losses = []
+        if self.aux_loss_coef:
+            counts, prob_sums, *router_stats = router_stats
+            losses.append(self.aux_loss_coef * self.load_balance.pooled_aux_loss(counts, prob_sums))
+        if self.sequence_aux_loss_coeff:
+            losses.append(self.sequence_aux_loss_coeff * router_stats[0].sum())
+        return sum(losses[1:], losses[0])
 
     def _model_loss(self, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
         model = self.model_parts[0]

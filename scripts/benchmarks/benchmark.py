@@ -22,6 +22,7 @@
 | context-parallel memory | a rank's peak memory on a 4096-token sequence, CP 2 (2 ranks) / CP 1 | <= 0.6 |
 | context-parallel step time | a rank's step CPU time on that sequence at CP 2 / CP 1 | (reported) |
 | CP attention work | block_causal: the busiest rank's attention work / the idlest's, CP 4, 8, 128K | <= 1.3 |
+| MLA CP 2 gathered bytes | DeepSeek-V3: per-head K/V bytes all-gathered per layer / latents' | (reported) |
 | Muon step time | train.py's step time with Muon / with AdamW, 1 process and FSDP 2 | (reported) |
 
 Each part runs in a fresh process (train.py's main() disables GC, compiles, may start process
@@ -95,7 +96,9 @@ PARTS: dict[str, Callable[[str], dict]] = {
     "moe": moe.part_moe,
     "moe_layer": moe.part_moe_layer,
     "moe_all_to_all": moe.part_moe_all_to_all,
+    "deepseek_v3": moe.part_deepseek_v3,
     "context_parallel": context_parallel.part_context_parallel,
+    "mla_gather": context_parallel.part_mla_gather,
     "attention_mask": attention.part_attention_mask,
     "adamw": optimizer.part_adamw,
     "muon": optimizer.part_muon,
@@ -169,6 +172,7 @@ def run_all(threads: int, tmp: str, only: str | None = None) -> dict:
     moe.moe_rows(part, add)
     context_parallel.context_parallel_rows(part, add)
     context_parallel.cp_balance_rows(part, add)
+    context_parallel.mla_gather_rows(part, add)
     attention.attention_mask_rows(part, add)
     optimizer.optimizer_rows(part, add)
     return {"setup": setup, "figures": figures}
@@ -178,6 +182,7 @@ def run_all(threads: int, tmp: str, only: str | None = None) -> dict:
 ROWS = {
     "context_parallel": context_parallel.context_parallel_rows,
     "cp_balance": context_parallel.cp_balance_rows,
+    "mla_gather": context_parallel.mla_gather_rows,
     "moe": moe.moe_rows,
     "attention_mask": attention.attention_mask_rows,
     "optimizer": optimizer.optimizer_rows,

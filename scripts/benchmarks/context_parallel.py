@@ -4,6 +4,7 @@ at CP 2 (2 gloo ranks) against CP 1, on the CPU whatever the device (`--only con
 import math
 import os
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -156,3 +157,109 @@ def cp_balance_rows(run_part: Callable[..., dict], add: Callable[..., None]) -> 
                 f"({p95['head-tail']:.3f}); log-normal lengths, sigma 1.2",
                 {"mean": mean, "p95": p95},
             )
+
+
+# Multi-head latent attention under CP 2: the bytes each rank's attention all-gathers per layer, with its
+# latents gathered (LatentGather) and with every head's keys and values gathered, counted as they run.
+MLA_SEQ_LEN = {"debugmodel": 4096, "671B": 256}  # 671B: one attention layer, ~190M parameters a rank
+MLA_REPORT_SEQ_LEN = 4096  # the per-layer figures' sequence length (bytes scale with it)
+
+
+class GatheredBytes:
+    """A dispatch mode counting the bytes the functional all-gathers return (context parallelism's: the
+    whole sequence's tensor, this rank's share included), as they run."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+                out = func(*args, **(kwargs or {}))
+                if func is torch.ops._c10d_functional.all_gather_into_tensor.default:
+                    counter.bytes += out.numel() * out.element_size()
+                return out
+
+        self.bytes = 0
+        self.mode = Mode()
+
+    def __enter__(self) -> "GatheredBytes":
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.mode.__exit__(*exc)
+
+
+def mla_layer_gathered_bytes(flavor: str, seq_len: int, cp_mesh, gather_latents: bool) -> int:  # noqa: ANN001
+    """One DeepSeek-V3 attention layer of `flavor`, context-parallel over `cp_mesh`, forward on one
+    sequence of `seq_len` tokens under bf16 autocast (train.py's default): the bytes it all-gathered."""
+    from torch import nn
+
+    from torchtitan.models.deepseek_v3 import deepseek_v3_configs
+    from torchtitan.models.deepseek_v3.model import Attention, precompute_freqs_cis
+    from torchtitan.models.init import seeded_init
+    from torchtitan.parallelisms.context_parallel import apply_cp
+
+    args = replace(deepseek_v3_configs[flavor], max_seq_len=seq_len)
+    holder = nn.Module()  # apply_cp's view of a model: its blocks' attention modules
+    holder.layers = nn.ModuleDict({"0": nn.Module()})
+    holder.layers["0"].attention = attention = Attention(args)
+    with seeded_init(attention, 0):
+        attention.init_weights(0.02)
+    apply_cp(holder, cp_mesh, gather_latents=gather_latents)
+    x = torch.randn(1, seq_len // cp_mesh.size(), args.dim)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), GatheredBytes() as counted:
+        attention(x, precompute_freqs_cis(args))
+    return counted.bytes
+
+
+def part_mla_gather(tmp: str) -> dict:
+    """On 2 gloo ranks: each flavour's bytes gathered per layer, latents and per head, measured."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    try:
+        cp_mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("cp",))["cp"]
+        return {
+            flavor: {
+                "seq_len": seq_len,
+                **{
+                    kind: mla_layer_gathered_bytes(flavor, seq_len, cp_mesh, kind == "latent")
+                    for kind in ("latent", "per_head")
+                },
+            }
+            for flavor, seq_len in MLA_SEQ_LEN.items()
+        }
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def mla_gather_rows(run_part: Callable[..., dict], add: Callable[..., None]) -> None:
+    """DeepSeek-V3 under CP 2: the bytes a rank all-gathers per attention layer, its latents and rotated
+    RoPE key (kv_lora_rank + qk_rope_head_dim features a token) against every head's keys and values
+    (n_heads x (qk_head_dim + v_head_dim)), counted on the collectives, in bf16."""
+    from torchtitan.models.deepseek_v3 import deepseek_v3_configs
+
+    measured = run_part("mla_gather", 2, cpu=True)
+    for flavor, row in measured.items():
+        args = deepseek_v3_configs[flavor]
+        latent, per_head = (row[kind] / row["seq_len"] for kind in ("latent", "per_head"))
+        n = MLA_REPORT_SEQ_LEN
+        expected = (
+            (args.kv_lora_rank + args.qk_rope_head_dim) * 2,
+            args.n_heads * (args.head_dim + args.v_head_dim) * 2,
+        )
+        add(
+            f"MLA CP 2 gathered bytes per layer, {flavor}",
+            per_head / latent,
+            "(reported)",
+            (latent, per_head) == expected,
+            f"per token: latent + rope key {latent:,.0f} B, per-head K/V {per_head:,.0f} B (bf16, counted on "
+            f"the all-gathers over {row['seq_len']} tokens); a {n}-token sequence: "
+            f"{latent * n / 2**20:,.1f} MiB vs {per_head * n / 2**20:,.1f} MiB per layer and rank",
+            {"measured": row, "expected_per_token": expected},
+        )

@@ -28,6 +28,39 @@ def part_moe(tmp: str) -> dict:
     return {"value": step_ratio(moe, dense), "moe": moe, "dense": dense}
 
 
+DSV3_ARGS = ["--model.name", "deepseek_v3", "--model.tokenizer_path", "assets/tokenizer/kjv_bpe_hf"]
+DSV3_BATCH = ["--training.batch_size", "8", "--training.seq_len", "256"]  # deepseek_v3_debug.toml's
+ROUNDS = 2  # each model measured this many times, alternately; the best of each kept
+
+
+def qwen3_moe_like_deepseek_v3():
+    """Qwen3-MoE's arguments in DeepSeek-V3's debug shape, with its active parameters
+    (tests/test_performance.py checks them)."""
+    from torchtitan.models.qwen3_moe import qwen3_moe_configs
+
+    return replace(
+        qwen3_moe_configs["debugmodel"], n_layers=3, n_kv_heads=1, hidden_dim=512, top_k=3, moe_hidden_dim=128
+    )
+
+
+def part_deepseek_v3(tmp: str) -> dict:
+    """DeepSeek-V3's debug model vs a Qwen3-MoE of the same active parameters, in the same minimal loop,
+    measured alternately in this one process. The Qwen3-MoE is the debug model's shape with Qwen3's
+    parts: 3 layers of dim 256, the first dense (hidden 512); attention of 4 query heads and 1 key/value
+    head of 32 features (81,920 weights, as MLA's five projections); 8 experts of 128 hidden units of
+    which each token takes 3, where DeepSeek-V3's takes 2 routed and its shared one (296,960 active
+    weights a sparse layer either way). The difference: MLA (latents, YaRN, scores over 48 features
+    against 32), sigmoid routing in groups and the shared expert computed densely; DeepSeek-V3 also holds
+    one more expert's weights a sparse layer (the shared one), which AdamW updates."""
+    qwen3_moe_args = qwen3_moe_like_deepseek_v3()
+    steps: dict[str, list[dict]] = {"deepseek_v3": [], "qwen3_moe": []}
+    for _ in range(ROUNDS):
+        steps["deepseek_v3"].append(reference_step_time([*DSV3_ARGS, *DSV3_BATCH]))
+        steps["qwen3_moe"].append(reference_step_time([*MOE_ARGS, *DSV3_BATCH], model_args=qwen3_moe_args))
+    best = {name: min(times, key=lambda t: t["cpu"]) for name, times in steps.items()}
+    return {"value": step_ratio(best["deepseek_v3"], best["qwen3_moe"]), **best, "rounds": steps}
+
+
 LAYER_EXPERTS = (8, 64, 128)
 LAYER_SHAPE = {"dim": 256, "hidden": 128, "tokens": 2048, "top_k": 2}  # 32 rows per expert at 128
 
@@ -194,6 +227,17 @@ def moe_rows(run_part: Callable[..., dict], add: Callable[..., None]) -> None:
         f"Qwen3-MoE debugmodel {ms(e['moe'])}, dense Qwen3 of the same active parameters "
         f"{ms(e['dense'])} (a hand-written loop, one process)",
         e,
+    )
+    d = run_part("deepseek_v3")
+    add(
+        "DeepSeek-V3 / Qwen3-MoE step time",
+        d["value"],
+        "(reported)",
+        True,
+        f"DeepSeek-V3 debugmodel {ms(d['deepseek_v3'])}, a Qwen3-MoE of the same shape and active "
+        f"parameters {ms(d['qwen3_moe'])} (8 x 256 tokens, a hand-written loop, one process, best of "
+        f"{ROUNDS} alternate measurements each)",
+        d,
     )
     a = run_part("moe_all_to_all", 2, cpu=True)  # gloo: the profile is host time
     add(

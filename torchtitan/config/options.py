@@ -404,6 +404,12 @@ class MoEConfig:
         "every expert's routing bias by this much against its load (DeepSeek-V3: 0.001); 0: off",
         min=0.0,
     )
+    sequence_aux_loss_coeff: float = opt(
+        0.0,
+        "Mixture-of-experts models: weight (alpha) of DeepSeek-V3's sequence-wise balance loss, each "
+        "sequence's experts balanced within it (DeepSeek-V3: 0.0001); 0: off (docs/moe.md)",
+        min=0.0,
+    )
 
 
 @dataclass

@@ -130,8 +130,10 @@ def build_step(
     # A mixture of experts' auxiliary loss holds its router statistics' graph until backward. The bias
     # update after the optimizer step (LoadBalance.step_done) takes a few bytes per expert: left out.
     if moe:
-        dp_mesh = world_mesh[parallel_dims.dp_mesh_name()] if parallel_dims.dp_enabled else None
-        load_balance = LoadBalance(model_parts, cfg.moe, dp_mesh, pp_mesh)
+        # The ranks whose tokens differ, data-parallel and context-parallel (as train.py's).
+        spans_ranks = parallel_dims.dp_enabled or parallel_dims.cp_enabled
+        dp_cp_mesh = world_mesh[parallel_dims.dp_cp_dim()] if spans_ranks else None
+        load_balance = LoadBalance(model_parts, cfg.moe, dp_cp_mesh, pp_mesh)
     # Under context parallelism the step takes each rank's tokens of the whole (batch, seq_len) batch.
     cp_mesh = world_mesh["cp"] if parallel_dims.cp_enabled else None
     train_step = TrainStep(model_parts, pipeline, parallel_dims, cfg.training, device, load_balance, cp_mesh)

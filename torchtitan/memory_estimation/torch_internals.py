@@ -37,6 +37,9 @@ Patched for the duration of a simulation (mock.patch):
   schedule, to measure the memory it adds.
 - _PipelineScheduleRuntime.pipeline_order_with_comms, _update_losses and _internal_losses: run only
   a rank's first micro-batches.
+- torch.distributed.tensor.placement_types.shard_dim_alltoall: DTensor's Shard(i) -> Shard(j), an
+  all-to-all on the GPUs, but on a CPU mesh (the simulation's) an all-gather of the whole tensor then
+  a chunk: Muon's dealing of stacked matrices would count each stack whole on every rank.
 
 Read: torch.autograd.profiler.profile.kineto_results (its events' name, nbytes, start_ns, end_ns):
 the CPU allocator's memory events, for --measure on CPU.
@@ -64,7 +67,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.pipelining.schedules import _Action, _PipelineScheduleRuntime
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, placement_types
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils import _pytree as pytree
@@ -79,6 +82,7 @@ __all__ = [
     "_PipelineScheduleRuntime",
     "check_torch_internals",
     "first_actions_only",
+    "gpu_all_to_all",
     "kineto_events",
     "new_tracker",
     "process_group",
@@ -233,6 +237,24 @@ def untracked_sharding_propagation() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def gpu_all_to_all() -> Iterator[None]:
+    """DTensor's shard-to-shard redistribution allocates what the GPUs' all-to-all does (this rank's
+    chunk of the tensor gathered along `gather_dim`, as torch.chunk splits `shard_dim`), not the
+    whole gathered tensor of gloo's fallback; the values are fake."""
+
+    def all_to_all(input, gather_dim, shard_dim, mesh, mesh_dim):
+        ranks, rank = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
+        shape = list(input.shape)
+        shape[gather_dim] *= ranks
+        chunk = -(-shape[shard_dim] // ranks)
+        shape[shard_dim] = max(0, min(chunk, shape[shard_dim] - rank * chunk))
+        return input.new_empty(shape)
+
+    with mock.patch.object(placement_types, "shard_dim_alltoall", all_to_all):
+        yield
+
+
+@contextlib.contextmanager
 def traced_schedule_actions(
     measured: Callable[[_Action], contextlib.AbstractContextManager],
 ) -> Iterator[None]:
@@ -297,6 +319,7 @@ EXPECTED_CALLABLES = [
     ),
     (dist.distributed_c10d, "_resolve_process_group", None),
     (torch.ops._c10d_functional, "all_to_all_single", None),
+    (placement_types, "shard_dim_alltoall", ("input", "gather_dim", "shard_dim", "mesh", "mesh_dim")),
 ]
 # (owner, attributes its instances are given in its module's code)
 EXPECTED_ATTRIBUTES = [

@@ -4,12 +4,14 @@ A router scores each token against every expert (in float32, whatever the parame
 top-k experts (chosen on the scores plus a balancing bias) each run a SwiGLU on it, and the token's
 output is their outputs weighted by its scores for them, plus an optional always-on shared expert.
 
-Two ways to keep the experts evenly loaded, each optional (torchtitan/load_balance.py runs them):
+Three ways to keep the experts evenly loaded, each optional (torchtitan/load_balance.py runs them):
 - the auxiliary loss of the Switch Transformer as transformers' Qwen3-MoE computes it: each forward
   keeps, per layer, how many tokens went to each expert and the sum of their router probabilities;
 - DeepSeek-V3's auxiliary-loss-free bias (`expert_bias`, a buffer saved in checkpoints): added to the
   scores for choosing the experts only, and moved after each optimizer step against the load counted
-  in `tokens_per_expert`.
+  in `tokens_per_expert`;
+- DeepSeek-V3's sequence-wise balance loss (`sequence_balance`), which complements the bias: each
+  forward keeps the same two statistics per layer and per sequence (a row of the batch).
 """
 
 import torch
@@ -165,6 +167,10 @@ class MoE(nn.Module):
         # router's gradient (and holding its graph until the loss takes it).
         self.keep_router_stats = False
         self.router_stats: tuple[torch.Tensor, torch.Tensor] | None = None
+        # With `keep_sequence_stats`, the same per sequence (row): (bs, experts) each, the sequence-wise
+        # balance loss's statistics (`sequence_balance`).
+        self.keep_sequence_stats = False
+        self.sequence_stats: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def init_weights(self, init_std: float) -> None:
         trunc_normal_(self.router.weight, std=0.02)
@@ -205,6 +211,8 @@ class MoE(nn.Module):
         bs, seqlen, dim = x.shape
         tokens = x.reshape(-1, dim)
         probs, experts, weights = self.route(tokens)
+        if self.keep_sequence_stats and self.training and _training_forward():
+            self.sequence_stats = self.sequence_statistics(probs, experts, bs)
         out = self.run_experts(tokens, probs, experts)
         # Each token's weighted sum over its k choices: a fixed order of additions, the same on every
         # device (no scatter-add).
@@ -212,6 +220,17 @@ class MoE(nn.Module):
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)
         return out.view(bs, seqlen, dim)
+
+    def sequence_statistics(
+        self, probs: torch.Tensor, experts: torch.Tensor, bs: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per sequence (row of the batch): its tokens' (token, choice) counts per expert (float32, no
+        gradient) and the sums of their router probabilities per expert (with the router's gradient),
+        each (bs, experts)."""
+        choices = experts.view(bs, -1)
+        counts = torch.zeros(bs, self.num_experts, device=probs.device)
+        counts.scatter_add_(1, choices, torch.ones_like(choices, dtype=counts.dtype))
+        return counts, probs.view(bs, -1, self.num_experts).sum(1)
 
     def run_experts(self, tokens: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Each (token, choice) pair's expert output, (tokens x k, dim) in (token, choice) order; counts
@@ -227,3 +246,15 @@ class MoE(nn.Module):
                 self.tokens_per_expert += counts
         routed = tokens.repeat_interleave(self.top_k, dim=0)[order]
         return self.experts(routed, counts)[torch.argsort(order)]
+
+
+def sequence_balance(counts: torch.Tensor, score_sums: torch.Tensor, top_k: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss (eqs. 17-20, without alpha) of each sequence, from its
+    (token, choice) counts per expert, (..., experts), over all of the sequence's tokens, and the sums of
+    its tokens' normalised scores s'_{t,e} per expert, over all of them or over a share (this rank's
+    tokens): with T = sum_e counts_e / K tokens, f_e = E counts_e / (K T) (no gradient) and
+    P_e = score_sums_e / T, sum_e f_e P_e, (...); on a share of the tokens, that share of it: the
+    shares of a sequence's tokens add up to its loss, and their gradients to its gradient."""
+    tokens = counts.sum(-1, keepdim=True) / top_k
+    f = counts.shape[-1] * counts / (top_k * tokens)
+    return (f * score_sums / tokens).sum(-1)

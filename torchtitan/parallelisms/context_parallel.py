@@ -12,6 +12,8 @@ takes each rank's tokens and labels from the batch (`shard_sequence`); each atte
 its queries and keys by their true positions, gathers the keys and values of every rank (before GQA
 repeats them: kv heads only) and attends with each query piece's true offset (lower-right causal,
 within documents with block_causal); autograd reduce-scatters the keys' and values' gradients back.
+Multi-head latent attention gathers its compressed latents and rotated RoPE key instead, and expands
+every head's keys and values from them on each rank (LatentGather).
 The loss is each rank's mean over its tokens, and FSDP averages the gradients over dp_shard x cp,
 which gives the gradient of the mean over the whole global batch."""
 
@@ -114,38 +116,76 @@ def cached_layouts(documents: Documents | None, seq_len: int, cp_degree: int) ->
     return documents.cache[key]
 
 
+def gather_sequence(x: torch.Tensor, cp_mesh: DeviceMesh, layouts: list[Layout]) -> torch.Tensor:
+    """Every rank's pieces of x (bs, rank's tokens, ...), in sequence order; autograd reduce-scatters
+    the gradient back."""
+    gathered = funcol.all_gather_single(x.contiguous(), gather_dim=1, group=cp_mesh)
+    rows = [gathered] if len(layouts) == 1 else gathered.split(1)
+    in_order = []
+    for row, (piece, held) in zip(rows, layouts):
+        pieces = row.split(piece, dim=1)  # rank by rank, each rank's in the order it holds them
+        where = {p: i for i, p in enumerate(p for rank_pieces in held for p in rank_pieces)}
+        in_order.append(torch.cat([pieces[where[p]] for p in range(len(pieces))], dim=1))
+    return torch.cat(in_order) if len(in_order) > 1 else in_order[0]
+
+
 class ContextParallelAttention(nn.Module):
     """The model's CausalAttention for a rank's pieces of each sequence, attending to the keys of the
-    whole sequence: (bs, rank's tokens, heads, head_dim) in and out, like the module it replaces."""
+    whole sequence: (bs, rank's tokens, heads, head_dim) in and out, like the module it replaces. The
+    keys and values are this rank's, gathered here, or with `keys_gathered` already the whole sequence's
+    (MLA's, expanded from its gathered latents: LatentGather)."""
 
-    def __init__(self, cp_mesh: DeviceMesh) -> None:
+    def __init__(self, cp_mesh: DeviceMesh, keys_gathered: bool = False) -> None:
         super().__init__()
-        self.cp_mesh = cp_mesh
+        self.cp_mesh, self.keys_gathered = cp_mesh, keys_gathered
 
     def forward(
         self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, documents: Documents | None = None
     ) -> torch.Tensor:
         cp_degree, cp_rank = self.cp_mesh.size(), self.cp_mesh.get_local_rank()
         layouts = cached_layouts(documents, xq.shape[1] * cp_degree, cp_degree)
-        keys, values = (self._gather_sequence(t, layouts) for t in (xk, xv))
+        keys, values = xk, xv
+        if not self.keys_gathered:
+            keys, values = (gather_sequence(t, self.cp_mesh, layouts) for t in (xk, xv))
         n_rep = xq.shape[2] // xk.shape[2]
+        # MLA's values are narrower than its queries and keys, which the fused kernels refuse: padded
+        # with zeros, which add zeros to the output's extra features, cut off after.
+        v_dim = values.shape[-1]
+        if v_dim != xq.shape[-1]:
+            values = F.pad(values, (0, xq.shape[-1] - v_dim))
         k, v = (repeat_kv(t, n_rep).transpose(1, 2) for t in (keys, values))
         # Each piece's queries see every key up to their own last position (of their own document).
         rows_ends = [[(p + 1) * piece for p in held[cp_rank]] for piece, held in layouts]
         if documents is None:
-            return chunked_causal_attention(xq.transpose(1, 2), k, v, rows_ends[0])
-        return chunked_document_attention(xq.transpose(1, 2), k, v, rows_ends, documents)
+            out = chunked_causal_attention(xq.transpose(1, 2), k, v, rows_ends[0])
+        else:
+            out = chunked_document_attention(xq.transpose(1, 2), k, v, rows_ends, documents)
+        return out[..., :v_dim] if v_dim != xq.shape[-1] else out
 
-    def _gather_sequence(self, x: torch.Tensor, layouts: list[Layout]) -> torch.Tensor:
-        """Every rank's pieces of x (bs, rank's tokens, kv heads, head_dim), in sequence order."""
-        gathered = funcol.all_gather_single(x.contiguous(), gather_dim=1, group=self.cp_mesh)
-        rows = [gathered] if len(layouts) == 1 else gathered.split(1)
-        in_order = []
-        for row, (piece, held) in zip(rows, layouts):
-            pieces = row.split(piece, dim=1)  # rank by rank, each rank's in the order it holds them
-            where = {p: i for i, p in enumerate(p for rank_pieces in held for p in rank_pieces)}
-            in_order.append(torch.cat([pieces[where[p]] for p in range(len(pieces))], dim=1))
-        return torch.cat(in_order) if len(in_order) > 1 else in_order[0]
+
+class LatentGather(nn.Module):
+    """Multi-head latent attention's LatentKeys under CP (models/deepseek_v3/model.py): each rank's
+    normed latents and rotated RoPE key (rotated by their true positions: apply_cp's hook), gathered
+    into the whole sequence's in sequence order by one all-gather of kv_lora_rank + qk_rope_head_dim
+    features per token, which the model's wkv_b then expands into every head's keys and values on each
+    rank (not n_heads x (qk_head_dim + v_head_dim) features gathered: docs/composability.md). They
+    travel in the dtype wkv_b's matmul takes them in (autocast's: the same rounding it would do), and
+    autograd reduce-scatters their gradients back to the ranks that hold their tokens."""
+
+    def __init__(self, cp_mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.cp_mesh = cp_mesh
+
+    def forward(
+        self, latent: torch.Tensor, k_pe: torch.Tensor, documents: Documents | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cp_degree = self.cp_mesh.size()
+        layouts = cached_layouts(documents, latent.shape[1] * cp_degree, cp_degree)
+        latent, k_pe = in_autocast_dtype(latent, k_pe)
+        rank, rope_dtype = latent.shape[-1], k_pe.dtype
+        both = torch.cat([latent, k_pe.flatten(2).to(latent.dtype)], -1)  # one collective, not two
+        latent, k_pe = gather_sequence(both, self.cp_mesh, layouts).split([rank, both.shape[-1] - rank], -1)
+        return latent, k_pe.unsqueeze(2).to(rope_dtype)
 
 
 def chunked_causal_attention(
@@ -308,10 +348,12 @@ _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, gather_latents: bool = True) -> None:
     """Each attention module attends across the cp ranks and rotates by true positions: RoPE's rotations
     (the `freqs_cis` argument: the table, or with block_causal those of every token of the whole
-    sequences) are indexed by the rank's positions, from the length of its input and the documents."""
+    sequences) are indexed by the rank's positions, from the length of its input and the documents.
+    An attention with a `latent_keys` hook (MLA) gathers its latents rather than its heads' keys and
+    values, unless `gather_latents` is off (the benchmark's and the tests' comparison)."""
     cp_degree, cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
 
     def rotate_by_true_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
@@ -332,5 +374,10 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> None:
 
     model.prepare_documents = prepare_documents
     for block in model.layers.values():
-        block.attention.sdpa = ContextParallelAttention(cp_mesh)
-        block.attention.register_forward_pre_hook(rotate_by_true_positions, with_kwargs=True)
+        attention = block.attention
+        # Multi-head latent attention gathers its latents (LatentGather), its heads expanded after.
+        latent = gather_latents and hasattr(attention, "latent_keys")
+        if latent:
+            attention.latent_keys = LatentGather(cp_mesh)
+        attention.sdpa = ContextParallelAttention(cp_mesh, keys_gathered=latent)
+        attention.register_forward_pre_hook(rotate_by_true_positions, with_kwargs=True)

@@ -179,11 +179,16 @@ class ParallelDims:
         unit, its router and shared expert, and its experts without EP; the experts' unit under EP),
         None where the block's mesh serves. Under TP each rank routes the tokens of its own sequence
         shard, so these weights' gradients are partial sums over the tp ranks: their units span tp as
-        well, and FSDP's reduce-scatter adds the partial sums up."""
-        shard = ("dp_shard_mod_ep", "ep") if self.ep_enabled else ("dp_shard",)
+        well, and FSDP's reduce-scatter adds the partial sums up. The cp ranks hold the same weights and
+        route their own tokens of each sequence, as dp_shard's ranks route their own sequences: every
+        unit spans cp too (the experts of one ep rank are held by its dp_shard_mod_ep x cp peers)."""
+        shard = (
+            ("dp_shard_mod_ep", "ep") if self.ep_enabled else ("dp_shard",) if self.dp_shard_enabled else ()
+        )
+        cp = ("cp",) if self.cp_enabled else ()
         tp = ("tp",) if self.tp_enabled else ()
-        layer = self._flat_mesh(world, (*shard, *tp)) if self.tp_enabled else None
-        experts = self._flat_mesh(world, ("dp_shard_mod_ep", *tp)) if self.ep_enabled else None
+        layer = self._flat_mesh(world, (*shard, *cp, *tp)) if self.tp_enabled else None
+        experts = self._flat_mesh(world, ("dp_shard_mod_ep", *cp, *tp)) if self.ep_enabled else None
         return layer, experts
 
     def _flat_mesh(self, world: DeviceMesh, dims: tuple[str, ...]) -> DeviceMesh:

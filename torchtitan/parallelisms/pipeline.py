@@ -42,13 +42,16 @@ StageLoss = Callable[[nn.Module | None, torch.Tensor, torch.Tensor], torch.Tenso
 class Pipeline:
     """This rank's part of a pipeline: the schedule that runs its stages, and whether it holds the
     model's ends (the first stage takes the tokens; only the last stage computes the loss).
-    `aux_loss((token, choice) counts, router probability sums)`, pooled over every stage's sparse
-    layers: the auxiliary loss the last stage adds to each micro-batch's (set by the train step)."""
+    `aux_loss(*router statistics)`, from what the stages pass on (RouterStatsStage): the auxiliary
+    losses the last stage adds to each micro-batch's (set by the train step); `sequence_loss(a stage's
+    mixture-of-experts layers)`: the sequence-wise balance loss of their forward, which each stage adds
+    to what it passes on (set by the train step)."""
 
     schedule: _PipelineSchedule
     has_first_stage: bool
     has_last_stage: bool
-    aux_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    aux_loss: Callable[..., torch.Tensor] | None = None
+    sequence_loss: Callable[[list[MoE]], torch.Tensor] | None = None
     # The loss the last stage computes (build_pipeline's `loss_fn`), for the train step to reach.
     stage_loss: StageLoss | None = None
 
@@ -71,15 +74,21 @@ class _Stage(PipelineStage):
     """torch's PipelineStage whose first-step shape inference, a real forward (and backward) on the
     first micro-batch or on uninitialised tensors, leaves the model's buffers as they were: a
     mixture-of-experts layer counts the tokens its experts take in one (torchtitan/models/moe.py).
-    `inferring` tells the loss that it runs for the inference, not for a step."""
+    `inferring` tells the loss that it runs for the inference, not for a step, as the stage model's
+    own `inferring` tells a RouterStatsStage."""
 
     inferring = False
 
     def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
         saved = [(buffer, buffer._version, buffer.clone()) for buffer in self.submod.buffers()]
+        stats_stage = isinstance(self.submod, RouterStatsStage)
+        if stats_stage:
+            self.submod.inferring = True
         try:
             return super()._forward_metadata_inference(*args, **kwargs)
         finally:
+            if stats_stage:
+                self.submod.inferring = False
             with torch.no_grad():  # only those it wrote to: autograd saved the others (RoPE's) as they are
                 for buffer, version, value in saved:
                     if buffer._version != version:
@@ -96,33 +105,55 @@ class _Stage(PipelineStage):
 class RouterStatsStage(nn.Module):
     """A stage's model that passes its micro-batch's router statistics on to the next stage: the
     auxiliary loss pools every sparse layer's (torchtitan/load_balance.py), which the stages hold
-    apart. Beside the activations travel the (token, choice) counts per expert (integers: no
+    apart. Beside the activations travel (`pooled`) the (token, choice) counts per expert (integers: no
     gradient) and the sums of router probabilities per expert (float32, with their gradient: the last
-    stage's auxiliary loss sends each stage's router its share back through the pipeline)."""
+    stage's auxiliary loss sends each stage's router its share back through the pipeline), and
+    (`sequence`) the sequence-wise balance loss of the stages so far, a sum over their layers (float32,
+    shape (1,), with its gradient), to which each stage adds its own layers'."""
 
-    def __init__(self, part: nn.Module, num_experts: int) -> None:
+    def __init__(self, part: nn.Module, num_experts: int, pooled: bool = True, sequence: bool = False):
         super().__init__()
         self.part = part
         self.num_experts = num_experts
+        self.pooled, self.sequence = pooled, sequence
         self.moe_layers = [m for m in part.modules() if isinstance(m, MoE)]
+        self.pipeline: Pipeline | None = None  # set once built: its sequence_loss
+        self.inferring = False  # the first step's shape inference (_Stage): no loss to count
 
     def forward(
         self, x: torch.Tensor, *router_stats: torch.Tensor, **kwargs: Any
     ) -> tuple[torch.Tensor, ...]:
-        if router_stats:
-            counts, prob_sums = router_stats
-            prob_sums = prob_sums.clone()
-        else:  # the first stage: a leaf that needs a gradient, as the stage's outputs must
-            counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
-            prob_sums = torch.zeros(self.num_experts, device=x.device, requires_grad=torch.is_grad_enabled())
+        # The first stage starts from leaves that need a gradient, as the stage's outputs must.
+        grad = torch.is_grad_enabled()
+        stats = []
         out = self.part(x, **kwargs)
-        for layer in self.moe_layers:
-            if layer.router_stats is not None:  # training forwards only
-                layer_counts, layer_prob_sums = layer.router_stats
-                layer.router_stats = None
-                counts = counts + layer_counts.long()
-                prob_sums = prob_sums + layer_prob_sums
-        return out, counts, prob_sums
+        if self.pooled:
+            if router_stats:
+                counts, prob_sums, *router_stats = router_stats
+                prob_sums = prob_sums.clone()
+            else:
+                counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+                prob_sums = torch.zeros(self.num_experts, device=x.device, requires_grad=grad)
+            for layer in self.moe_layers:
+                if layer.router_stats is not None:  # training forwards only
+                    layer_counts, layer_prob_sums = layer.router_stats
+                    layer.router_stats = None
+                    counts = counts + layer_counts.long()
+                    prob_sums = prob_sums + layer_prob_sums
+            stats += [counts, prob_sums]
+        if self.sequence:
+            loss = (
+                router_stats[0].clone()
+                if router_stats
+                else torch.zeros(1, device=x.device, requires_grad=grad)
+            )
+            if self.inferring or self.pipeline is None or self.pipeline.sequence_loss is None:
+                for layer in self.moe_layers:
+                    layer.sequence_stats = None
+            else:
+                loss = loss + self.pipeline.sequence_loss(self.moe_layers)
+            stats.append(loss)
+        return out, *stats
 
 
 def build_pipeline(
@@ -147,8 +178,12 @@ def build_pipeline(
     n_microbatches = num_microbatches(job_config, len(layers))
     ids = stage_ids(pp_mesh.get_local_rank(), pp_mesh.size(), len(layers) // pp_mesh.size(), schedule_name)
 
-    # A mixture of experts' auxiliary loss pools the router statistics of every stage's layers.
-    carry_router_stats = model_spec(job_config.model).moe and job_config.moe.aux_loss_coef > 0
+    # A mixture of experts' auxiliary loss pools the router statistics of every stage's layers; its
+    # sequence-wise balance loss sums the stages' own.
+    moe = model_spec(job_config.model).moe
+    pooled = moe and job_config.moe.aux_loss_coef > 0
+    sequence = moe and job_config.moe.sequence_aux_loss_coeff > 0
+    carry_router_stats = pooled or sequence
     stages, model_parts = [], []
     for stage_id in ids:
         is_first, is_last = stage_id == 0, stage_id == len(layers) - 1
@@ -158,7 +193,7 @@ def build_pipeline(
         module = part
         inputs, outputs = stage_io(stage_id) if stage_io else (None, None)
         if carry_router_stats:
-            module = RouterStatsStage(part, model.model_args.num_experts)
+            module = RouterStatsStage(part, model.model_args.num_experts, pooled, sequence)
             if isinstance(part, FSDPModule):
                 # Pipelining drives FSDP through the stage's module (gradient sync, the last reduce):
                 # the wrapper becomes the root unit, with no parameters and casting no inputs (the
@@ -171,6 +206,7 @@ def build_pipeline(
             if stage_io:
                 num_experts = model.model_args.num_experts
                 stats = (outputs.new_zeros(num_experts, dtype=torch.int64), outputs.new_zeros(num_experts))
+                stats = (stats if pooled else ()) + ((outputs.new_zeros(1),) if sequence else ())
                 inputs = inputs if is_first else (inputs, *stats)
                 outputs = (outputs, *stats)
         stages.append(
@@ -185,11 +221,11 @@ def build_pipeline(
     def last_stage_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
         if not carry_router_stats:
             return loss_fn(last_part, output, labels)
-        output, counts, prob_sums = output
+        output, *stats = output
         loss = loss_fn(last_part, output, labels)
         if pipeline.aux_loss is None or not torch.is_grad_enabled() or last_stage.inferring:
             return loss
-        aux_loss = pipeline.aux_loss(counts, prob_sums)
+        aux_loss = pipeline.aux_loss(*stats)
         # The gradient gains the auxiliary loss's; the value stays the language model's loss (logged).
         return loss + (aux_loss - aux_loss.detach())
 
@@ -207,4 +243,7 @@ def build_pipeline(
             "change parallelism.pipeline_parallel_microbatches"
         ) from None
     pipeline = Pipeline(schedule, 0 in ids, last_stage_id in ids)
+    for stage in stages:
+        if isinstance(stage.submod, RouterStatsStage):
+            stage.submod.pipeline = pipeline
     return pipeline, model_parts

@@ -160,3 +160,9 @@ deepseek_v3_configs = {
 deepseek_v3_configs["debugmodel_plain_q"] = DeepSeekV3ModelArgs(
     **{**vars(deepseek_v3_configs["debugmodel"]), "q_lora_rank": 0}
 )
+# The debug model 4 layers deep, 2 dense then 2 sparse: enough for the multi-stage pipeline schedules
+# (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) at PP 2, whose 4 stages
+# then hold dense and sparse layers apart and on each rank both (scripts/parity_layouts.py).
+deepseek_v3_configs["debugmodel_4_layers"] = DeepSeekV3ModelArgs(
+    **{**vars(deepseek_v3_configs["debugmodel"]), "n_layers": 4, "first_k_dense_replace": 2}
+)

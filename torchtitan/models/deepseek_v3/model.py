@@ -59,6 +59,20 @@ class SharedKey(nn.Module):
         return k_pe
 
 
+class LatentKeys(nn.Module):
+    """The normed latents (bs, tokens, kv_lora_rank) and rotated shared RoPE key (bs, tokens, 1,
+    qk_rope_head_dim) of the tokens this rank's queries attend to, which wkv_b expands into every head's
+    keys and values: the rank's own, as they are. A module so that context parallelism can put in its
+    place one that gathers them from every cp rank (parallelisms/context_parallel.py's LatentGather):
+    the latents travel, kv_lora_rank + qk_rope_head_dim features per token, rather than every head's
+    key and value."""
+
+    def forward(
+        self, latent: torch.Tensor, k_pe: torch.Tensor, documents: llama.Documents | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return latent, k_pe
+
+
 class Attention(nn.Module):
     """Multi-head latent attention, causal (or within documents), as transformers' DeepseekV3Attention.
 
@@ -71,7 +85,9 @@ class Attention(nn.Module):
     scaling the queries so that the shared attention (SDPA, documents, context parallelism) runs as is.
 
     Head counts are read from the projected tensors: under tensor parallelism wq(_b), wkv_b and wo are
-    split by heads, and the latent projections run on this rank's tokens (the TP plan)."""
+    split by heads, and the latent projections run on this rank's tokens (the TP plan). The keys'
+    sequence is read from the expanded latents: under context parallelism `latent_keys` gathers the
+    latents and rotated RoPE keys of the whole sequence, and the queries are this rank's tokens."""
 
     def __init__(self, model_args: DeepSeekV3ModelArgs):
         super().__init__()
@@ -92,6 +108,7 @@ class Attention(nn.Module):
         self.wkv_b = nn.Linear(self.kv_lora_rank, args.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=False)
         self.shared_key = SharedKey()
+        self.latent_keys = LatentKeys()
         self.sdpa = llama.CausalAttention()
         # SDPA scales by head_dim^-0.5; YaRN's mscale^2 goes on the queries.
         self.query_scale = args.yarn_scale
@@ -112,10 +129,12 @@ class Attention(nn.Module):
         bs, seqlen = q.shape[:2]
         q_nope, q_pe = q.view(bs, seqlen, -1, self.head_dim).split([self.nope_dim, self.rope_dim], -1)
         latent, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], -1)
-        kv = self.wkv_b(self.kv_norm(latent)).view(bs, seqlen, -1, self.nope_dim + self.v_dim)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], -1)
         k_pe = self.shared_key(k_pe).unsqueeze(2)  # (bs, seqlen, 1, rope_dim)
         q_pe, k_pe = llama.apply_rotary_emb(q_pe, k_pe, llama.rotations(freqs_cis, seqlen))
+        latent, k_pe = self.latent_keys(self.kv_norm(latent), k_pe, documents)
+        kv = self.wkv_b(latent)
+        kv = kv.view(bs, kv.shape[1], -1, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], -1)
         q = torch.cat([q_nope, q_pe], -1)
         if self.query_scale != 1.0:
             q = q * self.query_scale
