@@ -4,6 +4,7 @@ without the hub. Each conversation has a system prompt and asks for a chapter's 
 time; the assistant answers with the verse. Deterministic: the same corpus gives the same file.
 
 Usage: python scripts/make_chat_data.py [--out assets/corpus/kjv_chat/train.jsonl] [--conversations 48]
+       python scripts/make_chat_data.py --split validation   (from the corpus's held-out chapters)
 """
 
 import argparse
@@ -29,10 +30,14 @@ def conversation(chapter: str, turns: int) -> dict[str, list[dict[str, str]]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--corpus", default=str(REPO_ROOT / "assets/corpus/kjv/train.jsonl"))
-    parser.add_argument("--out", default=str(REPO_ROOT / "assets/corpus/kjv_chat/train.jsonl"))
-    parser.add_argument("--conversations", type=int, default=48)
+    parser.add_argument("--split", default="train", choices=("train", "validation"))
+    parser.add_argument("--corpus", help="default: assets/corpus/kjv/SPLIT.jsonl")
+    parser.add_argument("--out", help="default: assets/corpus/kjv_chat/SPLIT.jsonl")
+    parser.add_argument("--conversations", type=int, help="default: 48 (train), 16 (validation)")
     args = parser.parse_args(argv)
+    args.corpus = args.corpus or str(REPO_ROOT / f"assets/corpus/kjv/{args.split}.jsonl")
+    args.out = args.out or str(REPO_ROOT / f"assets/corpus/kjv_chat/{args.split}.jsonl")
+    args.conversations = args.conversations or (48 if args.split == "train" else 16)
     with open(args.corpus) as f:
         chapters = [json.loads(line)["text"] for line in f]
     step = max(1, len(chapters) // args.conversations)

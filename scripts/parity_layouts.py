@@ -132,6 +132,23 @@ BLOCK_CAUSAL = (
     "--training.dataset_path",
     "tests/assets/verses.jsonl",
 )
+# Chat data (docs/datasets.md): the bundled conversations, each a document of its own (positions), trained
+# on the assistant's turns only: the loss is the mean over the global batch's trained tokens, which every
+# layout must count alike (dp, cp shards, pipeline micro-batches), validated on the set's validation split
+# (the mean over its trained tokens). 256 tokens: CP 2's chunks hold several.
+CHAT = (
+    *QWEN3_UNTIED,
+    "--model.attn_mask_type",
+    "block_causal",
+    "--chat.enable",
+    "true",
+    "--training.dataset",
+    "kjv_chat",
+    "--training.seq_len",
+    "256",
+    "--validation.dataset",
+    "kjv_chat",
+)
 # Muon for the blocks' matrices (docs/optimizers.md), its Newton-Schulz in fp32 (exact, and fast on CPUs).
 MUON = ("--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32")
 QWEN3_MOE_MUON = (*QWEN3_MOE_BOTH, *MUON)
@@ -450,6 +467,34 @@ MATRIX = [
     Layout(
         "DeepSeek-V3 MTP: PP 2 x CP 2, 1F1B", 4, 4, 4, pp(2) + cp(2), DEEPSEEK_V3_MTP, reference_microbatch=2
     ),
+    # Chat data: the trained tokens counted over dp, once per row under CP and TP, over a pipeline's step.
+    Layout("Chat: FSDP 2", 2, 2, 4, model=CHAT),
+    Layout("Chat: FSDP 2 + GA 2 + chunked loss", 2, 1, 4, CHUNKED_LOSS, CHAT),
+    Layout("Chat: TP 2 (SP, loss parallel)", 2, 4, 4, tp(2), CHAT),
+    Layout("Chat: TP 2 (SP, gathered logits) + chunked loss", 2, 4, 4, tp(2, False) + CHUNKED_LOSS, CHAT),
+    Layout("Chat: CP 2", 2, 4, 4, cp(2), CHAT),
+    Layout("Chat: CP 2 x FSDP 2 + GA 2", 4, 1, 4, cp(2), CHAT),
+    Layout("Chat: PP 2, 1F1B", 2, 4, 4, pp(2), CHAT),
+    Layout(
+        "Chat: PP 2, Interleaved1F1B + chunked loss", 2, 4, 4, pp(2, "Interleaved1F1B") + CHUNKED_LOSS, CHAT
+    ),
+    Layout(
+        "Chat: PP 2 x FSDP 2",
+        4,
+        2,
+        4,
+        pp(2) + ("--parallelism.pipeline_parallel_microbatches", "2"),
+        CHAT,
+    ),
+    Layout(
+        "Chat: PP 2 x CP 2, 4 micro-batches",
+        4,
+        4,
+        4,
+        pp(2) + cp(2) + ("--parallelism.pipeline_parallel_microbatches", "4"),
+        CHAT,
+    ),
+    Layout("Chat: CP 2 x TP 2 + GA 2 + AC selective op", 4, 2, 4, cp(2) + tp(2) + AC_OP, CHAT),
     # Muon: each rank gathers the matrices it holds a shard or slice of (docs/optimizers.md).
     Layout("Muon: FSDP 2", 2, 2, 4, model=MUON),
     Layout("Muon: TP 2", 2, 4, 4, tp(2), MUON),

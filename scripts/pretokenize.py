@@ -5,9 +5,11 @@
 
 Reads the dataset as train.py would (`training.dataset` / `training.dataset_path`, any source the trainer
 accepts) and encodes it with `model.tokenizer_path`, every document framed by BOS (if the tokenizer has
-one) and EOS; each shard gets a CRC32 per block of tokens, which training checks when it first reads the
-block. Then train with `--training.dataset_path DIR` (or `--validation.dataset_path DIR` for a
-`--split validation` output).
+one) and EOS; with `chat.enable`, every conversation rendered with the chat template, masked by
+`chat.loss_on` and fitted to `training.seq_len` by `chat.overflow` (training checks the folder was written
+for its settings), its mask beside its tokens; each shard gets a CRC32 per block of tokens, which
+training checks when it first reads the block. Then train with `--training.dataset_path DIR` (or
+`--validation.dataset_path DIR` for a `--split validation` output).
 DIR must not exist; it appears only once complete (it is written as DIR.tmp-PID, removed on any failure;
 one a killed run left is removed by the next run on DIR). Exit codes and one-line errors are train.py's: a
 full disk is exit 2 naming DIR and the OS error.
@@ -22,13 +24,16 @@ import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import datasets  # noqa: E402
 
-from torchtitan.config.options import ConfigError  # noqa: E402
+from torchtitan.config.options import ConfigError, JobConfig  # noqa: E402
 from torchtitan.config.parser import OneLineParser, parse_args, positive_int  # noqa: E402
 from torchtitan.config.paths import resolve_path  # noqa: E402
+from torchtitan.datasets.chat_data import chat_encoder, load_chat_dataset  # noqa: E402
+from torchtitan.datasets.chat_shards import pretokenize_chats  # noqa: E402
 from torchtitan.datasets.pretokenized import pretokenize  # noqa: E402
 from torchtitan.datasets.sources import load_text_dataset  # noqa: E402
 from torchtitan.datasets.tokenizer import build_tokenizer  # noqa: E402
@@ -83,6 +88,12 @@ def main(argv: list[str]) -> int:
     with bad_input("model.tokenizer_path"):
         tokenizer = build_tokenizer(tokenizer_path)
     option = "training.dataset_path" if training.dataset_path else "training.dataset"
+    if job_config.chat.enable:
+        manifest = pretokenize_chat_job(job_config, tokenizer, tokenizer_path, output, own)
+        counts = ", ".join(f"{n} {kind}" for kind, n in manifest["chat"]["counts"].items())
+        conversations = f"{manifest['num_documents']:,} conversations ({counts or 'none left out'})"
+        print(f"{output}: {manifest['num_tokens']:,} tokens of {conversations}")
+        return EXIT_OK
     with bad_input(option):
         ds = load_text_dataset(training.dataset, training.dataset_path, own.split)  # its cache is no --output
         source = {"dataset": training.dataset, "dataset_path": training.dataset_path, "split": own.split}
@@ -101,6 +112,27 @@ def main(argv: list[str]) -> int:
         f"documents in {len(manifest['shards'])} shards"
     )
     return EXIT_OK
+
+
+def pretokenize_chat_job(
+    job_config: JobConfig, tokenizer: Any, tokenizer_path: str, output: Path, own: argparse.Namespace
+) -> dict[str, Any]:
+    """Conversations (chat.enable) rendered, tokenized and masked as training would for its
+    training.seq_len (chat_shards.py), in this process: chat sets are small beside pre-training corpora."""
+    training = job_config.training
+    encoder = chat_encoder(job_config.chat, tokenizer, training.seq_len)
+    with bad_input("training.dataset_path" if training.dataset_path else "training.dataset"):
+        ds = load_chat_dataset(training.dataset, training.dataset_path, own.split, job_config.chat.format)
+        source = {"dataset": training.dataset, "dataset_path": training.dataset_path, "split": own.split}
+        with output_write_reported(output):
+            return pretokenize_chats(
+                (batch["text"] for batch in ds.iter(batch_size=own.docs_per_shard)),
+                encoder,
+                tokenizer_path,
+                tokenizer.n_words,
+                output,
+                source,
+            )
 
 
 def run(argv: list[str] | None = None) -> int:

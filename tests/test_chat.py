@@ -262,19 +262,24 @@ def test_layout_invariance_and_resume(hf_tok, chats_file, layout):
     assert all(torch.equal(a, b) for a, b in zip(global_steps(resumed, 3), reference[2:]))
 
 
-@pytest.mark.parametrize(
-    ("args", "world", "message"),
-    [
-        (["--parallelism.tensor_parallel_degree", "2"], 2, "chat data does not run with TP yet"),
-        (["--parallelism.pipeline_parallel_degree", "2"], 2, "chat data does not run with PP yet"),
-        (["--validation.enable", "true"], 1, "validation.enable is not supported on chat data yet"),
-        (["--training.mixture", "kjv_chat"], 1, "training.mixture is not supported on chat data yet"),
-    ],
-)
-def test_layouts_and_data_paths_not_yet_supported_are_refused(args, world, message):
+def test_a_whole_validation_pass_is_refused():
+    """Chat data never ends: validation evaluates a number of global batches."""
     recipe = [
         "--job.config_file",
         str(Path(__file__).resolve().parents[1] / "train_configs/qwen3_chat_debug.toml"),
     ]
-    with pytest.raises(ConfigError, match=f"chat.enable: .*{message}"):
-        check_layout(parse_args([*recipe, *args]), world)
+    with pytest.raises(
+        ConfigError, match="validation.steps: -1 .a whole pass. is not supported on chat data"
+    ):
+        check_layout(parse_args([*recipe, "--validation.steps", "-1"]), 1)
+
+
+def test_every_parallelism_takes_chat_data():
+    """TP, CP and PP pass the conversations' positions on (their parity: tests/test_chat_train.py and
+    scripts/parity_matrix.py --only Chat)."""
+    recipe = [
+        "--job.config_file",
+        str(Path(__file__).resolve().parents[1] / "train_configs/qwen3_chat_debug.toml"),
+    ]
+    for degree in ("tensor", "context", "pipeline"):
+        check_layout(parse_args([*recipe, f"--parallelism.{degree}_parallel_degree", "2"]), 2)

@@ -259,26 +259,26 @@ def validation_batch_size(job_config: JobConfig, dp_degree: int) -> int:
 
 
 def check_chat(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-    """Chat data carries its conversations' bounds as positions, which block_causal attention reads; the
-    layouts and data paths that do not pass them on yet are refused rather than trained wrong."""
+    """Chat data carries its conversations' bounds as positions, which block_causal attention reads (on
+    every layout); a whole validation pass, which chat data does not have yet, is refused."""
     if not job_config.chat.enable:
         return
     if job_config.model.attn_mask_type != "block_causal":
         raise ConfigError(
             "chat.enable: conversations are packed as documents; set model.attn_mask_type = block_causal"
         )
-    for name in ("tp", "cp", "pp"):
-        if getattr(parallel_dims, name) > 1:
-            raise ConfigError(
-                f"chat.enable: chat data does not run with {name.upper()} yet; use data parallelism "
-                "(FSDP, HSDP, DDP) and gradient accumulation"
-            )
-    for option, unsupported in (
-        ("training.mixture", job_config.training.mixture),
-        ("validation.enable", job_config.validation.enable),
-    ):
-        if unsupported:
-            raise ConfigError(f"chat.enable: {option} is not supported on chat data yet; leave it unset")
+    if job_config.validation.enable:
+        check_chat_validation(job_config)
+
+
+def check_chat_validation(job_config: JobConfig) -> None:
+    """Chat data never ends (chat_data.py): its evaluation is a number of global batches (train.py's
+    validation, scripts/evaluate.py)."""
+    if job_config.chat.enable and job_config.validation.steps == -1:
+        raise ConfigError(
+            "validation.steps: -1 (a whole pass) is not supported on chat data yet; set the number of "
+            "global batches to evaluate (the same ones each time)"
+        )
 
 
 def mixture_sources(training_config: TrainingConfig) -> list[tuple[str, float]]:

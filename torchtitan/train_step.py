@@ -3,6 +3,7 @@ pipeline stages: what train.py, the memory estimator, the profiler and the bench
 
 import contextlib
 import functools
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -39,13 +40,32 @@ def loss_fn(
 
 
 def stage_loss_fn(
-    last_stage: nn.Module | None, output: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 0
+    last_stage: nn.Module | None,
+    output: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int = 0,
+    denominator: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The loss of the last pipeline stage's output: its logits, or with `chunk_tokens` its final
-    hidden states (the stages run with `skip_output`), projected by its output weight chunk by chunk."""
+    hidden states (the stages run with `skip_output`), projected by its output weight chunk by chunk;
+    `denominator` as loss_fn's."""
     if chunk_tokens:
-        return chunked_cross_entropy(output, last_stage.output.weight, labels, chunk_tokens)
-    return loss_fn(output, labels)
+        return chunked_cross_entropy(output, last_stage.output.weight, labels, chunk_tokens, denominator)
+    return loss_fn(output, labels, denominator)
+
+
+class StageLoss:
+    """stage_loss_fn for a pipeline's schedule, which calls it per micro-batch: chat data's
+    `denominator` is the train step's, set before each schedule step (`Pipeline.stage_loss`)."""
+
+    def __init__(self, chunk_tokens: int) -> None:
+        self.chunk_tokens = chunk_tokens
+        self.denominator: torch.Tensor | None = None
+
+    def __call__(
+        self, last_stage: nn.Module | None, output: torch.Tensor, labels: torch.Tensor
+    ) -> torch.Tensor:
+        return stage_loss_fn(last_stage, output, labels, self.chunk_tokens, self.denominator)
 
 
 def autocast_context(
@@ -72,10 +92,11 @@ def parallelize_model(
     `float8.enable_float8_linear`, the whole model's linear layers are converted to float8 first."""
     convert_to_float8(model, job_config, parallel_dims)
     if parallel_dims.pp_enabled:
-        stage_loss = functools.partial(stage_loss_fn, chunk_tokens=job_config.training.loss_chunk_tokens)
+        stage_loss = StageLoss(job_config.training.loss_chunk_tokens)
         pipeline, model_parts = build_pipeline(
             model, world_mesh, parallel_dims, job_config, device, stage_loss, stage_io
         )
+        pipeline.stage_loss = stage_loss
         return model_parts, pipeline
     return [parallelize(model, world_mesh, parallel_dims, job_config)], None
 
@@ -89,9 +110,12 @@ class TrainStep:
 
     Chat batches (with positions) have tokens without a target, as many as each conversation's prompts:
     their loss is the mean over the trained tokens of the whole global batch, whatever the layout. A
-    step takes all its micro-batches first to count them over the data-parallel ranks (`dp_mesh`), N;
-    each micro-batch's loss is its sum divided by N / (micro-batches x ranks), so that the mean over the
-    micro-batches and ranks, which the gradients' accumulation and averaging take, is the sum over N."""
+    step takes all its micro-batches first to count them over the data-parallel ranks (`dp_mesh`), N
+    (whole rows: the context-parallel ranks of a row count the same, tensor-parallel ones too); each
+    micro-batch's loss is the sum over its tokens (a context-parallel rank's share) divided by
+    N / (micro-batches x dp ranks x cp ranks), and a pipeline micro-batch's by that over the schedule's
+    micro-batches, so that the mean over micro-batches and ranks, which the gradients' accumulation and
+    averaging over dp x cp (and the schedule's scaling) take, is the sum over N."""
 
     def __init__(
         self,
@@ -110,6 +134,7 @@ class TrainStep:
         # Chat data: the last step's trained tokens over the global batch, and what a loss is divided by.
         self.trained_tokens: torch.Tensor | None = None
         self.loss_denominator: torch.Tensor | None = None
+        self.evaluated_trained_tokens: torch.Tensor | None = None  # evaluate's, on this rank
         # block_causal: the documents of the whole sequences, found before context parallelism shares
         # their tokens out, and given to every pipeline stage (a later one is given hidden states).
         model_args = model_parts[0].model_args
@@ -192,8 +217,16 @@ class TrainStep:
         if self.dp_mesh is not None:
             count = dist_sum(count, self.dp_mesh)
         self.trained_tokens = count
-        ranks = self.dp_mesh.size() if self.dp_mesh is not None else 1
-        self.loss_denominator = count.clamp(min=1) / (len(step) * ranks)
+        ranks = math.prod(mesh.size() for mesh in (self.dp_mesh, self.cp_mesh) if mesh is not None)
+        self._set_loss_denominator(count.clamp(min=1) / (len(step) * ranks))
+
+    def _set_loss_denominator(self, denominator: torch.Tensor | None) -> None:
+        """What a (chat) batch's summed loss is divided by; a pipeline schedule's micro-batch's, by that
+        over the schedule's micro-batches (their mean is the batch's loss)."""
+        self.loss_denominator = denominator
+        if self.pipeline is not None:
+            micro = self.pipeline.schedule._n_microbatches
+            self.pipeline.stage_loss.denominator = None if denominator is None else denominator / micro
 
     def _count_mtp_targets(self, step: list[Batch]) -> None:
         """The MTP targets of each depth in the global batch (`step`: this rank's micro-batches), N_k,
@@ -208,9 +241,7 @@ class TrainStep:
         counts = local.to(self.device)
         if self.dp_mesh is not None:
             counts = dist_sum(counts, self.dp_mesh)
-        ranks = (self.dp_mesh.size() if self.dp_mesh is not None else 1) * (
-            self.cp_mesh.size() if self.cp_mesh is not None else 1
-        )
+        ranks = math.prod(mesh.size() for mesh in (self.dp_mesh, self.cp_mesh) if mesh is not None)
         pipeline_microbatches = self.pipeline.schedule._n_microbatches if self.pipeline is not None else 1
         self.mtp_scale = len(step) * ranks * pipeline_microbatches
         self.mtp_denominators = counts.clamp(min=1) / self.mtp_scale
@@ -367,15 +398,21 @@ class TrainStep:
     def evaluate(self, batches: Iterator[Batch]) -> tuple[torch.Tensor, int]:
         """Forward only (no activation recompute: nothing is kept for a backward), in eval mode, the
         training mode restored after: the sum of the batches' mean losses (0 on pipeline ranks without
-        the last stage) and how many batches there were."""
+        the last stage) and how many batches there were. Chat batches: the sum of their summed losses
+        (a context-parallel rank's share), and `evaluated_trained_tokens` this rank's count of them."""
         modes = [part.training for part in self.model_parts]
         for part in self.model_parts:
             part.eval()
-        losses = []
+        losses, denominator = [], self.loss_denominator
+        self.evaluated_trained_tokens = torch.zeros((), device=self.device)
         for batch in batches:
+            if len(batch) > 2:  # chat data: summed, to be divided by the trained tokens of every rank
+                self._set_loss_denominator(torch.ones((), device=self.device))
+                self.evaluated_trained_tokens += int((batch[1] != IGNORE_INDEX).sum())
             with self.loss_context():
                 # A pipeline's stages pass the depths' embeddings on in every schedule, eval's too.
                 losses.append(self._forward_loss(*self._on_device(batch, mtp=self.pipeline is not None)))
+        self._set_loss_denominator(denominator)
         for part, mode in zip(self.model_parts, modes):
             part.train(mode)
         return torch.stack(losses).sum(), len(losses)

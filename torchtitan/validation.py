@@ -3,7 +3,9 @@
 Every evaluation reads the same windows from the start of the validation data, laid out like the
 training data (global batch k holds the same windows whatever the layout), runs forward only, and
 reports the mean cross entropy over every token evaluated: batches hold equally many tokens, so it
-is the mean of the per-batch means over the batches and the data- and context-parallel ranks. Training is left
+is the mean of the per-batch means over the batches and the data- and context-parallel ranks. Chat data
+(`[chat]`, validation.steps batches of the validation split's conversations): the mean over the tokens
+trained on (chat.loss_on), their summed loss over every rank over their count. Training is left
 as it was: the model's mode is restored, no random numbers are drawn, the training data loader is
 not touched, and the metric logger leaves the time out of the training throughput."""
 
@@ -15,14 +17,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from torchtitan.config.options import ConfigError, JobConfig
-from torchtitan.config_rules import validation_batch_size
+from torchtitan.config_rules import check_chat_validation, validation_batch_size
 from torchtitan.datasets.build import DataSource, build_dataset
+from torchtitan.datasets.chat_data import build_chat_dataset
 from torchtitan.datasets.layout import BatchLayout
 from torchtitan.datasets.loader import DataLoader
 from torchtitan.datasets.tokenizer import AnyTokenizer
 from torchtitan.errors import bad_input
 from torchtitan.models import vocab_size
-from torchtitan.parallelisms.distributed import dist_min, global_mean_loss
+from torchtitan.parallelisms.distributed import dist_min, dist_sum, global_mean_loss
 from torchtitan.parallelisms.parallel_dims import Meshes
 from torchtitan.train_step import TrainStep
 
@@ -58,17 +61,34 @@ class Validator:
         batch_size = validation_batch_size(job_config, dp_degree)
         self.tokens_per_batch = batch_size * dp_degree * job_config.training.seq_len
         option = "validation.dataset_path" if validation.dataset_path else "validation.dataset"
+        # Chat data: the loss is the mean over the trained tokens of the batches evaluated.
+        self.chat = job_config.chat.enable
+        check_chat_validation(job_config)
         with bad_input(option):
             source = DataSource(validation.dataset, validation.dataset_path, split="validation")
-            dataset = build_dataset(
-                source,
-                tokenizer,
-                job_config.training.seq_len,
-                BatchLayout(batch_size, dp_degree, dp_rank),
-                vocab_size(job_config, tokenizer.n_words),
-                infinite=False,
-                # Where a pass ends is counted once, each rank tokenizing its own streams only.
-                min_over_ranks=functools.partial(dist_min, mesh=meshes.dp),
+            layout = BatchLayout(batch_size, dp_degree, dp_rank)
+            dataset = (
+                build_chat_dataset(
+                    job_config.chat,
+                    validation.dataset,
+                    validation.dataset_path,
+                    tokenizer,
+                    job_config.training.seq_len,
+                    layout,
+                    split="validation",
+                    section="validation",
+                )
+                if self.chat
+                else build_dataset(
+                    source,
+                    tokenizer,
+                    job_config.training.seq_len,
+                    layout,
+                    vocab_size(job_config, tokenizer.n_words),
+                    infinite=False,
+                    # Where a pass ends is counted once, each rank tokenizing its own streams only.
+                    min_over_ranks=functools.partial(dist_min, mesh=meshes.dp),
+                )
             )
             self.loader = DataLoader(dataset, batch_size)
             self.start = self.loader.state_dict()
@@ -95,7 +115,16 @@ class Validator:
         if on_batch is not None:
             batches = _reported(batches, on_batch)
         loss_sum, count = self.train_step.evaluate(batches)
-        loss = global_mean_loss(loss_sum, self.meshes) / count
+        if (
+            self.chat
+        ):  # the sum over the trained tokens of every rank's batches (and shares), over their count
+            ranks = self.meshes.dp_cp.size() if self.meshes.dp_cp is not None else 1
+            trained = self.train_step.evaluated_trained_tokens
+            if self.meshes.dp is not None:
+                trained = dist_sum(trained, self.meshes.dp)
+            loss = global_mean_loss(loss_sum, self.meshes) * ranks / max(trained.item(), 1)
+        else:
+            loss = global_mean_loss(loss_sum, self.meshes) / count
         return ValidationResult(loss, count * self.tokens_per_batch, time.perf_counter() - start)
 
 

@@ -3,13 +3,15 @@ picked from where the data is; every kind lays its rows out as layout.py says.""
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from torchtitan.config.options import ChatConfig, TrainingConfig
 from torchtitan.config_rules import mixture_sources
-from torchtitan.datasets.chat_data import ChatDataset, build_chat_dataset
+from torchtitan.datasets.chat_data import ChatDataset, build_chat_dataset, chat_encoder, load_chat_dataset
+from torchtitan.datasets.chat_shards import PretokenizedChats
 from torchtitan.datasets.layout import BatchLayout
 from torchtitan.datasets.loader import DataLoader
-from torchtitan.datasets.mixture import MixtureDataset, PretokenizedSource, Source, TextSource
+from torchtitan.datasets.mixture import ChatSource, MixtureDataset, PretokenizedSource, Source, TextSource
 from torchtitan.datasets.pretokenized import (
     PretokenizedDataset,
     TokenWindows,
@@ -112,6 +114,37 @@ def build_dataset(
     )
 
 
+def _chat_mixture(
+    chat: ChatConfig, source: DataSource, tokenizer: Any, seq_len: int, layout: BatchLayout
+) -> MixtureDataset:
+    """A mixture of conversations (every source a chat source: registered, local files, or a pre-tokenized
+    chat folder), its rows windows of whole conversations."""
+    encoder = chat_encoder(chat, tokenizer, seq_len)
+    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
+    sources = []
+    for name, weight in source.mixture:
+        path = None if name in DATASETS else name
+        if path is not None and is_pretokenized(folder := resolve_data_path(path)):
+            manifest = read_manifest(folder, tokenizer.model_path, tokenizer.n_words)
+            ds: Any = PretokenizedChats(name, folder, manifest, encoder, layout.global_batch)
+            contents = "\n".join(f"{shard['tokens']} {shard['crc32']}" for shard in manifest["shards"])
+            reader = ChatSource(name, ds, ds, seq_len, pad_id, layout.global_batch, layout.rows())
+        else:
+            ds = load_chat_dataset(name, path, source.split, chat.format)
+            contents = file_stats(source_files(name, path, source.split))
+            reader = ChatSource(name, ds, encoder, seq_len, pad_id, layout.global_batch, layout.rows())
+        sources.append(Source(name, weight, reader, contents))
+    return MixtureDataset(
+        sources,
+        seq_len,
+        layout.batch_size,
+        layout.dp_world_size,
+        layout.dp_rank,
+        layout.grad_accum_steps,
+        source.seed,
+    )
+
+
 def build_training_data_loader(
     training: TrainingConfig,
     tokenizer: TextTokenizer,
@@ -129,7 +162,10 @@ def build_training_data_loader(
         training.dataset, training.dataset_path, mixture, seed=training.seed, shuffle=training.shuffle_windows
     )
     dataset: TextDataset | PretokenizedDataset | MixtureDataset | ChatDataset
-    if chat is not None and chat.enable:
+    if chat is not None and chat.enable and mixture:
+        with bad_input("training.mixture"):
+            dataset = _chat_mixture(chat, source, tokenizer, training.seq_len, layout)
+    elif chat is not None and chat.enable:
         dataset = build_chat_dataset(
             chat, training.dataset, training.dataset_path, tokenizer, training.seq_len, layout
         )

@@ -9,6 +9,7 @@ render's (a template that rewrites earlier turns, e.g. dropping past thinking) m
 that conversation is refused, as is one with no trained token, and counted (`ChatCounts`).
 """
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -111,6 +112,10 @@ class ChatEncoder:
 
     def _tokens(self, messages: Messages, add_generation_prompt: bool = False) -> list[int]:
         return self.tokenizer.encode_rendered(self.template.render(messages, add_generation_prompt)[0])[0]
+
+    def encode_document(self, text: str) -> Encoded | None:
+        """`encode` of a conversation as the chat streams hold it: JSON role/content messages."""
+        return self.encode(json.loads(text))
 
     def encode(self, messages: Messages) -> Encoded | None:
         """The conversation to train on, cut to `max_tokens`; None (counted) where it is refused."""

@@ -18,10 +18,12 @@ import torch
 
 from torchtitan.config.options import ChatConfig, ConfigError
 from torchtitan.datasets.chat import ChatEncoder, Encoded, detect_format, to_messages
+from torchtitan.datasets.chat_shards import PretokenizedChats
 from torchtitan.datasets.chat_template import load_chat_template
 from torchtitan.datasets.hf_tokenizer import HFTokenizer
 from torchtitan.datasets.layout import IGNORE_INDEX, Batch, BatchLayout
-from torchtitan.datasets.sources import load_rows, quiet_progress_bars
+from torchtitan.datasets.pretokenized import is_pretokenized, read_manifest
+from torchtitan.datasets.sources import load_rows, quiet_progress_bars, resolve_data_path
 from torchtitan.datasets.streams import MapDocuments, StreamingDocuments, TextStreams
 from torchtitan.datasets.text import TextDataset
 from torchtitan.errors import bad_input
@@ -81,7 +83,7 @@ class ChatStream:
                 self.epoch, self.doc, self._trained_in_epoch = self.epoch + 1, 0, False
                 self._on_epoch(self.epoch)
                 continue
-            encoded = self._encoder.encode(json.loads(text))
+            encoded = self._encoder.encode_document(text)
             if encoded is not None:
                 self._trained_in_epoch = True
                 return encoded
@@ -171,9 +173,29 @@ def build_chat_dataset(
     seq_len: int,
     layout: BatchLayout,
     split: str = "train",
+    section: str = "training",
 ) -> ChatDataset:
-    """A rank's chat data, as the `[chat]` section says; the template is tried on the first conversation
-    here, so that one that does not render stops the job before it trains."""
+    """A rank's chat data, as the `[chat]` section says: conversations, or a pre-tokenized chat folder
+    (chat_shards.py) at `dataset_path` (`section`'s option); the template is tried on the first
+    conversation here, so that one that does not render stops the job before it trains."""
+    encoder = chat_encoder(chat, tokenizer, seq_len)
+    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
+    option = f"{section}.dataset_path" if dataset_path else f"{section}.dataset"
+    with bad_input(option):
+        folder = resolve_data_path(dataset_path) if dataset_path is not None else None
+        if folder is not None and is_pretokenized(folder):
+            manifest = read_manifest(folder, tokenizer.model_path, tokenizer.n_words)
+            chats = PretokenizedChats(dataset_name, folder, manifest, encoder, layout.global_batch)
+            return ChatDataset(dataset_name, chats, chats, seq_len, pad_id, layout)
+        ds = load_chat_dataset(dataset_name, dataset_path, split, chat.format)
+    with bad_input("chat.template_path"):
+        encoder.template.render(json.loads(next(iter(ds))["text"]))
+    return ChatDataset(dataset_name, ds, encoder, seq_len, pad_id, layout)
+
+
+def chat_encoder(chat: ChatConfig, tokenizer: Any, seq_len: int) -> ChatEncoder:
+    """The job's conversation encoder: the tokenizer's chat template, chat.loss_on and chat.overflow for
+    windows of `seq_len` tokens (train.py's and scripts/pretokenize.py's)."""
     if not isinstance(tokenizer, HFTokenizer):
         raise ConfigError(
             "chat.enable: needs a Hugging Face tokenizer (model.tokenizer_path: a tokenizer.json folder), "
@@ -181,10 +203,4 @@ def build_chat_dataset(
         )
     with bad_input("chat.template_path"):
         template = load_chat_template(tokenizer.folder, tokenizer.config, chat.template_path)
-    encoder = ChatEncoder(template, tokenizer, chat.loss_on, chat.overflow, seq_len)
-    with bad_input("training.dataset_path" if dataset_path else "training.dataset"):
-        ds = load_chat_dataset(dataset_name, dataset_path, split, chat.format)
-    with bad_input("chat.template_path"):
-        template.render(json.loads(next(iter(ds))["text"]))
-    pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
-    return ChatDataset(dataset_name, ds, encoder, seq_len, pad_id, layout)
+    return ChatEncoder(template, tokenizer, chat.loss_on, chat.overflow, seq_len)

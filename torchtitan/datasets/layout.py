@@ -82,7 +82,8 @@ class StepCursor:
             if self.micro == len(self.micro_rows):
                 step_done()
                 self.micro = 0
-            yield batch[:, :-1], batch[:, 1:]
+            # Text windows of seq_len + 1 tokens; chat rows (a mixture's) stack ids, labels and positions.
+            yield (batch[:, :-1], batch[:, 1:]) if batch.ndim == 2 else tuple(batch.unbind(1))
 
     def keep_share(self, worker: int, num_workers: int) -> None:
         self.micro_rows = worker_share(self.micro_rows, worker, num_workers)

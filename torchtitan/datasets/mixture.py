@@ -9,6 +9,8 @@ What a row reads from its source:
 - text (a registered name or local files): the next window of that source's stream j, as the single-source
   text loader deals documents (document i to stream ``i % S``). A stream advances only when its row picks
   its source, and a rank tokenizes only its own rows' documents.
+- chat (chat.enable; every source is conversations): the next window of whole conversations of that
+  source's stream j (chat_data.py), with its labels and positions.
 - pre-tokenized: the source's n-th window of the run, n counting the rows that took it in earlier steps and
   in earlier rows of this step; epochs follow each other without a gap (window ``order(n % W)`` of epoch
   ``n // W``, W windows, `order` seeded and new each epoch when `training.shuffle_windows`).
@@ -31,6 +33,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.data import IterableDataset
 
 from torchtitan.config.options import ConfigError
+from torchtitan.datasets.chat_data import ChatStreams
 from torchtitan.datasets.layout import Batch, BatchLayout, StepCursor, warn_relooped
 from torchtitan.datasets.pretokenized import TokenWindows, WindowOrder, splitmix64
 from torchtitan.datasets.streams import TextStreams
@@ -73,6 +76,16 @@ class TextSource(TextStreams):
         return self.next_window(row)
 
 
+class ChatSource(ChatStreams):
+    """A chat source of a mixture (chat.enable): S streams of windows of whole conversations
+    (chat_data.py); a row reads its stream's next window, its input ids, labels and positions stacked."""
+
+    what = "Mixture source"
+
+    def read(self, row: int, n: int) -> torch.Tensor:
+        return torch.stack(self.next_window(row))
+
+
 class PretokenizedSource:
     """A pre-tokenized source of a mixture: its n-th row is window ``order(n % W)`` of epoch ``n // W``."""
 
@@ -106,7 +119,7 @@ class PretokenizedSource:
 class Source:
     name: str  # as given in training.mixture
     weight: float
-    reader: TextSource | PretokenizedSource
+    reader: TextSource | PretokenizedSource | ChatSource
     # What identifies the source's content in the checkpoint: a pre-tokenized source's shard checksums
     # (`TokenWindows.contents`), a local text source's files' sizes and times (`file_stats`); "" for none.
     contents: str = ""
@@ -166,7 +179,7 @@ class MixtureDataset(IterableDataset, Stateful):
         self._cursor.keep_share(worker, num_workers)
         kept = {row for rows in self._cursor.micro_rows for row in rows}
         for source in self.sources:
-            if isinstance(source.reader, TextSource):
+            if isinstance(source.reader, TextStreams):
                 source.reader.keep_rows(kept)
 
     def _read(self, row: int, source: int, rank_in_source: int) -> torch.Tensor:
@@ -186,7 +199,7 @@ class MixtureDataset(IterableDataset, Stateful):
         }
         for i, source in enumerate(self.sources):
             entry: dict[str, Any] = {"rows": torch.tensor(int(self.rows[i]), dtype=torch.long)}
-            if isinstance(source.reader, TextSource):
+            if isinstance(source.reader, TextStreams):
                 entry[source.reader.state_key] = source.reader.state()
             state[f"source_{i}"] = entry
         return state
@@ -212,5 +225,5 @@ class MixtureDataset(IterableDataset, Stateful):
         for i, source in enumerate(self.sources):
             entry = state_dict[f"source_{i}"]
             self.rows[i] = int(entry["rows"])
-            if isinstance(source.reader, TextSource):
+            if isinstance(source.reader, TextStreams):
                 source.reader.load(entry[source.reader.state_key])

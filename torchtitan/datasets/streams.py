@@ -246,8 +246,10 @@ class TextStreams:
         self._tokenizer = tokenizer
         if isinstance(ds, datasets.Dataset):
             self.documents: MapDocuments | StreamingDocuments = MapDocuments(name, ds, num_streams)
-        else:
+        elif isinstance(ds, datasets.IterableDataset):
             self.documents = StreamingDocuments(name, ds, num_streams, rows)
+        else:  # documents of its own kind (pre-tokenized conversations: chat_shards.py)
+            self.documents = ds
         self.streams = {s: self._make_stream(s, tokenizer, window) for s in rows}
         # The streams depend on how many there are: their state is saved under a key that says so.
         self.state_key = f"global_batch_{num_streams}"

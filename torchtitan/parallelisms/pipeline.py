@@ -52,6 +52,8 @@ class Pipeline:
     has_last_stage: bool
     aux_loss: Callable[..., torch.Tensor] | None = None
     sequence_loss: Callable[[list[MoE]], torch.Tensor] | None = None
+    # The loss the last stage computes (build_pipeline's `loss_fn`), for the train step to reach.
+    stage_loss: StageLoss | None = None
     # Multi-token prediction: `mtp_loss(last stage's model, the depths' outputs, their labels)`, the
     # weighted MTP loss the last stage adds to each training micro-batch's (set by the train step).
     mtp_loss: Callable[[nn.Module, tuple, torch.Tensor], torch.Tensor] | None = None
