@@ -194,6 +194,14 @@ DEEPSEEK_V3_4_LAYERS_BIAS = (*DEEPSEEK_V3_4_LAYERS, "--moe.aux_loss_coef", "0")
 DEEPSEEK_V3_MTP_4_LAYERS = (*DEEPSEEK_V3_4_LAYERS, "--model.mtp_layers", "1")
 
 
+def mtp(
+    name: str, nproc: int, batch: int, args: tuple = (), model: tuple = DEEPSEEK_V3_MTP, micro: int = 0
+) -> Layout:
+    """A DeepSeek-V3 layout with one MTP depth on a global batch of 4 (V schedules without validation)."""
+    validate = not any(schedule in args for schedule in ("ZBVZeroBubble", "DualPipeV"))
+    return Layout(f"DeepSeek-V3 MTP: {name}", nproc, batch, 4, args, model, micro, validate)
+
+
 def deepseek_v3_pp(schedule: str, extra: tuple[str, ...] = ()) -> Layout:
     """DeepSeek-V3 on PP 2 with `schedule`, against one process accumulating the same micro-batches (a
     micro-batch's auxiliary loss): the 3-layer debug model's 2 stages of 2 micro-batches for GPipe and
@@ -427,46 +435,25 @@ MATRIX = [
         (*QWEN3_MOE, *SEQUENCE_AUX),
         reference_microbatch=1,
     ),
-    Layout("DeepSeek-V3 MTP: FSDP 2", 2, 2, 4, model=DEEPSEEK_V3_MTP),
-    Layout("DeepSeek-V3 MTP: EP 2", 2, 2, 4, ep(2), DEEPSEEK_V3_MTP),
-    Layout("DeepSeek-V3 MTP: FSDP 2 x TP 2", 4, 2, 4, tp(2), DEEPSEEK_V3_MTP),
-    Layout("DeepSeek-V3 MTP: EP 2 x TP 2", 4, 2, 4, ep(2) + tp(2), DEEPSEEK_V3_MTP),
-    Layout("DeepSeek-V3 MTP: FSDP 2 + chunked loss", 2, 2, 4, CHUNKED_LOSS, DEEPSEEK_V3_MTP),
-    Layout(
-        "DeepSeek-V3 MTP: GA 2 x batch 2 (1 process)", 1, 2, 4, model=DEEPSEEK_V3_MTP, reference_microbatch=2
-    ),
-    Layout("DeepSeek-V3 MTP: PP 2, 1F1B", 2, 4, 4, pp(2), DEEPSEEK_V3_MTP, reference_microbatch=2),
-    Layout("DeepSeek-V3 MTP: PP 2, GPipe", 2, 4, 4, pp(2, "GPipe"), DEEPSEEK_V3_MTP, reference_microbatch=2),
-    Layout(
-        "DeepSeek-V3 MTP: PP 2, 1F1B + chunked loss",
-        2,
-        4,
-        4,
-        pp(2) + CHUNKED_LOSS,
-        DEEPSEEK_V3_MTP,
-        reference_microbatch=2,
-    ),
-    Layout("DeepSeek-V3 MTP: compile + AC selective op", 1, 4, 4, COMPILE + AC_OP, DEEPSEEK_V3_MTP),
-    Layout("DeepSeek-V3 MTP: HSDP 2x2 + AC full", 4, 1, 4, replicate(2) + AC_FULL, DEEPSEEK_V3_MTP),
-    Layout("DeepSeek-V3 MTP: DDP 2", 2, 2, 4, replicate(2), DEEPSEEK_V3_MTP),
+    mtp("FSDP 2", 2, 2),
+    mtp("EP 2", 2, 2, ep(2)),
+    mtp("FSDP 2 x TP 2", 4, 2, tp(2)),
+    mtp("EP 2 x TP 2", 4, 2, ep(2) + tp(2)),
+    mtp("FSDP 2 + chunked loss", 2, 2, CHUNKED_LOSS),
+    mtp("GA 2 x batch 2 (1 process)", 1, 2, micro=2),
+    mtp("PP 2, 1F1B", 2, 4, pp(2), micro=2),
+    mtp("PP 2, GPipe", 2, 4, pp(2, "GPipe"), micro=2),
+    mtp("PP 2, 1F1B + chunked loss", 2, 4, pp(2) + CHUNKED_LOSS, micro=2),
+    mtp("compile + AC selective op", 1, 4, COMPILE + AC_OP),
+    mtp("HSDP 2x2 + AC full", 4, 1, replicate(2) + AC_FULL),
+    mtp("DDP 2", 2, 2, replicate(2)),
     *(
-        Layout(
-            f"DeepSeek-V3 MTP 4 layers: PP 2, {schedule}",
-            2,
-            4,
-            4,
-            pp(2, schedule),
-            DEEPSEEK_V3_MTP_4_LAYERS,
-            reference_microbatch=1,
-            validate=schedule not in ("ZBVZeroBubble", "DualPipeV"),
-        )
+        mtp(f"PP 2, {schedule}, 4 layers", 2, 4, pp(2, schedule), DEEPSEEK_V3_MTP_4_LAYERS, micro=1)
         for schedule in ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
     ),
-    Layout("DeepSeek-V3 MTP: CP 2", 2, 4, 4, cp(2), DEEPSEEK_V3_MTP),
-    Layout("DeepSeek-V3 MTP: CP 2 x EP 2", 4, 2, 4, cp(2) + ep(2), DEEPSEEK_V3_MTP),
-    Layout(
-        "DeepSeek-V3 MTP: PP 2 x CP 2, 1F1B", 4, 4, 4, pp(2) + cp(2), DEEPSEEK_V3_MTP, reference_microbatch=2
-    ),
+    mtp("CP 2", 2, 4, cp(2)),
+    mtp("CP 2 x EP 2", 4, 2, cp(2) + ep(2)),
+    mtp("PP 2 x CP 2, 1F1B", 4, 4, pp(2) + cp(2), micro=2),
     # Chat data: the trained tokens counted over dp, once per row under CP and TP, over a pipeline's step.
     Layout("Chat: FSDP 2", 2, 2, 4, model=CHAT),
     Layout("Chat: FSDP 2 + GA 2 + chunked loss", 2, 1, 4, CHUNKED_LOSS, CHAT),
