@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # here are the package's (scripts.benchmarks.gpu_train), never top-level ones.
 sys.path[:] = [str(ROOT), *(p for p in sys.path if Path(p).resolve() != ROOT / "scripts" / "benchmarks")]
 
-from scripts.benchmarks import gpu_kernels, gpu_parallel, gpu_train  # noqa: E402
+from scripts.benchmarks import gpu_kernels, gpu_parallel, gpu_recipes, gpu_train  # noqa: E402
 from torchtitan.errors import EXIT_BAD_INPUT  # noqa: E402
 
 PARTS = {  # name: (function, estimated seconds on an H100), in priority order
@@ -77,6 +77,11 @@ PARTS = {  # name: (function, estimated seconds on an H100), in priority order
     "llama1b_fp8_tensorwise": (gpu_train.part_llama1b_fp8_tensorwise, 70),
     "llama1b_fp8_rowwise": (gpu_train.part_llama1b_fp8_rowwise, 70),
     "qwen3_moe_2layers": (gpu_train.part_qwen3_moe_2layers, 70),
+    # Issue 60's, in its order: run with --only (the docstring's command), after cp2/fsdp2 above.
+    "deepseek_v3_671b_width": (gpu_recipes.part_deepseek_v3_671b_width, 240),
+    "mla_attention": (gpu_kernels.part_mla_attention, 40),
+    "mfu_levers_1b": (gpu_recipes.part_mfu_levers_1b, 300),
+    "chat_vs_pretrain": (gpu_recipes.part_chat_vs_pretrain, 120),
 }
 
 
@@ -127,6 +132,21 @@ def print_table(results: dict) -> None:
     print("\n| part | tokens/s | MFU % | memory GiB | step ms | graphs (breaks) | part s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, r in results.items():
+        if "rows" in r:  # side by side in one process: each row with its ratio to the first
+            for variant, row in r["rows"].items():
+                graphs = f"{row['unique_graphs']} ({row['graph_breaks']})"
+                tps = f"{row['tps']:,} (x{row['tps_ratio']})"
+                cells = [tps, row["mfu_pct"], row["memory_gib"], row["step_ms"], graphs, r["part_s"]]
+                print(f"| {name}: {variant} | " + " | ".join(map(str, cells)) + " |")
+            theirs = r.get("torchtitan_dsv3")
+            if theirs is not None:
+                cells = (
+                    [theirs]
+                    if isinstance(theirs, str)
+                    else [f"{theirs['tps']:,}", theirs["mfu"], theirs["memory_gib"]]
+                )
+                print(f"| {name}: torchtitan 0.3.0 | " + " | ".join(map(str, cells)) + " |")
+            continue
         if "tps" in r:
             graphs = f"{r['unique_graphs']} ({r['graph_breaks']})"
             cells = [f"{r['tps']:,}", r["mfu_pct"], r["memory_gib"], r["step_ms"], graphs, r["part_s"]]

@@ -244,3 +244,93 @@ def part_cp_attention_cuda(out: Path, small: bool) -> dict:
                 name = f"{mask}_rank{rank}_{str(dtype).split('.')[1]}_out_dq_dk_dv"
                 result[name] = [f"{e:.2e}" for e in errors]
     return result
+
+
+def part_mla_attention(out: Path, small: bool) -> dict:
+    """Multi-head latent attention (DeepSeek-V3's Attention module at the 671B width: dim 7168, 128
+    heads, q LoRA 1536, kv latent 512, qk 128 + 64, v 128, YaRN) forward + backward on 1 x 4096 tokens,
+    bf16 weights, eager and compiled, against its attention core alone: causal SDPA on the same head
+    dims (q and k 192, v 128), by default dispatch and by each backend forced (one that refuses the
+    shapes says so), and flash with v padded to 192. Times in ms; each row's ratio to the default
+    SDPA core; each SDPA output's error against the default's, which backend ran being the question."""
+    from contextlib import nullcontext
+
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from torchtitan.models.deepseek_v3 import deepseek_v3_configs
+    from torchtitan.models.deepseek_v3.model import Attention, precompute_freqs_cis
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args = deepseek_v3_configs["debugmodel" if small else "671B"]
+    seqlen, iters = (256, 1) if small else (4096, 10)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # CPU: bf16 matmuls are emulated
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+
+    def timed(fn) -> float:  # noqa: ANN001
+        for _ in range(1 if small else 3):
+            fn()
+        sync()
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        return round(1000 * (time.perf_counter() - start) / iters, 3)
+
+    from torchtitan.models.init import seeded_init
+
+    with torch.device(device):
+        module = Attention(args)
+    with seeded_init(module, seed=0):
+        module.init_weights(0.02)
+    module.to(dtype)
+    freqs = precompute_freqs_cis(args, device)[:seqlen]
+    x = torch.randn(1, seqlen, args.dim, device=device, dtype=dtype, requires_grad=True)
+    grad_x = torch.randn_like(x)
+    result = {"device": str(device), "torch": torch.__version__, "dtype": str(dtype), "seqlen": seqlen}
+    result.update(heads=args.n_heads, qk_head_dim=args.head_dim, v_head_dim=args.v_head_dim, dim=args.dim)
+    ms = {"mla_module_eager": timed(lambda: module(x, freqs).backward(grad_x))}
+    compiled = torch.compile(module)
+    ms["mla_module_compiled"] = timed(lambda: compiled(x, freqs).backward(grad_x))
+
+    shape = (1, args.n_heads, seqlen)
+    q, k = (torch.randn(*shape, args.head_dim, device=device, dtype=dtype, requires_grad=True) for _ in "qk")
+    v = torch.randn(*shape, args.v_head_dim, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(*shape, args.v_head_dim, device=device, dtype=dtype)
+
+    def core(backend: SDPBackend | None):  # noqa: ANN202
+        context = sdpa_kernel([backend]) if backend is not None else nullcontext()
+
+        def step() -> torch.Tensor:
+            with context:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                y.backward(grad)
+            return y.detach()
+
+        return step
+
+    def padded_flash() -> torch.Tensor:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            v_pad = F.pad(v, (0, args.head_dim - args.v_head_dim))
+            y = F.scaled_dot_product_attention(q, k, v_pad, is_causal=True)[..., : args.v_head_dim]
+            y.backward(grad)
+        return y.detach()
+
+    reference = core(None)()
+    errors = {}
+    candidates = {"sdpa_default": core(None), "sdpa_v_padded_flash": padded_flash}
+    for backend in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"):
+        candidates[f"sdpa_{backend.split('_')[0].lower()}"] = core(getattr(SDPBackend, backend))
+    for name, fn in candidates.items():
+        try:
+            errors[name] = (
+                f"{float((fn().float() - reference.float()).abs().max() / reference.abs().max()):.1e}"
+            )
+            ms[name] = timed(fn)
+        except RuntimeError as e:  # a backend that does not take these shapes (or this device)
+            ms[name] = f"not run: {str(e).splitlines()[0][:100]}"
+    base = ms["sdpa_default"]
+    result["ms"] = ms
+    result["ratio_to_sdpa_default"] = {n: round(t / base, 3) for n, t in ms.items() if isinstance(t, float)}
+    result["error_vs_sdpa_default"] = errors
+    return result

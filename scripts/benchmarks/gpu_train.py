@@ -30,10 +30,17 @@ def flavor_with_layers(family: str, flavor: str, n_layers: int) -> str:
 
 
 def train_figures(
-    out: Path, name: str, argv: list[str], small: bool, layers: tuple[str, str, int] | None
+    out: Path,
+    name: str,
+    argv: list[str],
+    small: bool,
+    layers: tuple[str, str, int] | None,
+    steps: int = STEPS,
+    small_extra: tuple[str, ...] = (),
 ) -> dict:
     """train.py's main() in this process; `layers` = (family, flavour, n_layers) trains that flavour
-    cut to n_layers (a flavour of this process only)."""
+    cut to n_layers (a flavour of this process only); `small_extra`: options after --small's own
+    (e.g. a variant's shape at the debug model's size)."""
     if small:
         argv = [
             *argv,
@@ -43,13 +50,14 @@ def train_figures(
             "-1",
             "--training.seq_len",
             "256",
+            *small_extra,
         ]
         if not torch.cuda.is_available():  # bf16 matmuls are slow on most CPUs
             argv += ["--training.mixed_precision_param", "float32"]
     elif layers is not None:
         argv = [*argv, "--model.flavor", flavor_with_layers(*layers)]
     dump = out / name
-    steps, log_freq = (4, 2) if small else (STEPS, LOG_FREQ)
+    steps, log_freq = (4, 2) if small else (steps, LOG_FREQ)
     argv = [*argv, *COMMON, str(log_freq), "--training.steps", str(steps), "--job.dump_folder", str(dump)]
     train_main = runpy.run_path(str(ROOT / "train.py"))["main"]  # a program: executed, not imported
     start = time.perf_counter()

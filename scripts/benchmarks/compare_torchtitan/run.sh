@@ -11,7 +11,9 @@
 #   OUT_DIR/torchtitan.log           the full torchtitan log (+ the exit code as the last line)
 #   OUT_DIR/torchtitan_summary.json  parse.py's result {"tps", "mfu", "memory_gib", "steps", ...}
 #   OUT_DIR/dump/                    torchtitan's dump folder (structured logs)
-# Knobs (environment): TT_STEPS (20), TT_ATTN (sdpa|flex), TT_LOSS (ce|chunked),
+# TT_MODEL=dsv3: DeepSeek-V3 at the 671B width, 2 layers, TT_EXPERTS experts, 1 x 4096 tokens
+# (tt_dsv3_config.py) instead of the 1B.
+# Knobs (environment): TT_MODEL (llama1b|dsv3), TT_STEPS (20), TT_ATTN (sdpa|flex), TT_LOSS (ce|chunked),
 # TT_CUDA_GRAPHS (0|1), TT_SITE (/tmp/site), PYTHON (python3), TT_TIMEOUT (150).
 set -u
 OUT=${1:?usage: run.sh OUT_DIR}
@@ -60,12 +62,16 @@ if [[ "${TT_SMOKE:-0}" == 1 ]]; then  # CPU smoke test of this script (tiny mode
 else
     unset TT_CPU TT_TINY
 fi
-note "steps=$TT_STEPS attn=$TT_ATTN loss=$TT_LOSS cuda_graphs=$TT_CUDA_GRAPHS out=$OUT"
+case "${TT_MODEL:-llama1b}" in
+    llama1b) CONFIG=(--module tt_bench_config --config llama3_1b_bench) ;;
+    dsv3) CONFIG=(--module tt_dsv3_config --config deepseek_v3_width_bench) ;;
+    *) note "TT_MODEL=${TT_MODEL}: choose llama1b or dsv3"; exit 2 ;;
+esac
+note "model=${TT_MODEL:-llama1b} steps=$TT_STEPS attn=$TT_ATTN loss=$TT_LOSS cuda_graphs=$TT_CUDA_GRAPHS out=$OUT"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,power.limit --format=csv,noheader >>"$LOG" 2>&1 || true
 
 start=$(date +%s)
-timeout -k 10 "${TT_TIMEOUT:-150}" "$PY" "$HERE/tt_bench.py" \
-    --module tt_bench_config --config llama3_1b_bench >>"$LOG" 2>&1
+timeout -k 10 "${TT_TIMEOUT:-150}" "$PY" "$HERE/tt_bench.py" "${CONFIG[@]}" >>"$LOG" 2>&1
 rc=$?
 note "torchtitan exit code $rc after $(( $(date +%s) - start )) s"
 
