@@ -52,7 +52,15 @@ export PYTHONPATH="$SITE:$HERE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1  # no __pycache__ next to the runner (it may sit in the repo)
 export TT_DUMP="$OUT/dump"
 export TT_DATA="${TT_DATA:-$REPO/assets/corpus/kjv/train.jsonl}"
-export TT_TOKENIZER="${TT_TOKENIZER:-$REPO/assets/tokenizer/kjv_bpe_hf}"
+# The tokenizer without its chat_template.jinja: torchtitan 0.3.0 compiles a folder's chat template with
+# plain jinja2, which refuses transformers' {% generation %} tag that ours has (TemplateSyntaxError
+# before step 1); nothing here renders a conversation.
+TOKENIZER_SRC="${TT_TOKENIZER:-$REPO/assets/tokenizer/kjv_bpe_hf}"
+export TT_TOKENIZER="$OUT/tokenizer"
+mkdir -p "$TT_TOKENIZER"
+for f in tokenizer.json tokenizer_config.json; do
+    [[ -f "$TOKENIZER_SRC/$f" ]] && cp "$TOKENIZER_SRC/$f" "$TT_TOKENIZER/"
+done
 export TT_STEPS="${TT_STEPS:-20}"
 export TT_ATTN="${TT_ATTN:-sdpa}"
 export TT_LOSS="${TT_LOSS:-ce}"
