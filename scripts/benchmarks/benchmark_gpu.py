@@ -27,6 +27,16 @@ minutes prints one table (docs/performance.md keeps the figures, with their setu
 | llama1b_fp8_tensorwise, llama1b_fp8_rowwise | llama1b with float8 linear layers (torchao) |
 | qwen3_moe_2layers | Qwen3-30B-A3B's width with 2 layers, 2 x 4096 tokens, compiled |
 | host_syncs | the host-device syncs of each step (CUDA's sync debug mode), Qwen3-MoE debug recipe |
+| deepseek_v3_671b_width | our DeepSeek-V3 at the 671B flavour's width, 2 layers (1 dense, 1 MoE; 32 experts |
+|  | on an H200, 16 on an H100), 1 x 4096 tokens, bf16, compiled, then torchtitan 0.3.0's deepseek_v3 |
+|  | at the same shape and routing (compare_torchtitan, TT_MODEL=dsv3): tokens/s, MFU on active |
+|  | parameters, memory, graphs, ours / torchtitan |
+| mla_attention | MLA's Attention module (671B width, 4096 tokens) forward + backward, eager and compiled, |
+|  | against causal SDPA on its head dims (qk 192, v 128, 128 heads) per backend, and v padded to 192 |
+| mfu_levers_1b | llama1b with one lever at a time, ratios to llama1b: SDPA's cuDNN backend alone, |
+|  | 2 x 4096 tokens a step, inductor's coordinate_descent_tuning, the chunked loss |
+| chat_vs_pretrain | the 1B recipe (block_causal, chunked loss) on packed conversations (kjv_chat) |
+|  | vs pre-training text (kjv) at 4 x 2048 tokens a step |
 
 A train.py part reports its last logged window (steps 21-30): tokens/s per GPU, MFU and the peak
 memory the CUDA allocator reserved, as train.py's own log line computes them, plus the graphs
@@ -38,6 +48,27 @@ machine without CUDA is refused at once (one line, exit code 2). Check it under 
 torch too (2.11): `python -m venv V && V/bin/pip install torch==2.11.0 numpy tomli tiktoken datasets
 tokenizers safetensors` (PyPI's CUDA build, about 5 GB, runs on the CPU), then
 `PYTHONPATH=. V/bin/python scripts/benchmarks/benchmark_gpu.py --small --out DIR`.
+
+The last four parts run their variants one after the other in one process (gpu_recipes.py's
+side_by_side: dynamo reset between them), each row with its ratio to the first. Next loan (issue 60),
+one call of about 9 minutes (estimates 90 + 150 + 240 + 40 = 520 s), after bringing the wheels
+here, once (`.whl/` is git-ignored: the call carries it):
+
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 -d .whl torchtitan==0.3.0 tyro==1.0.17 docstring_parser==0.18.0 \
+        typeguard==4.6.1 torchdata==0.11.0 spmd_types==0.2.3 datasets==5.2.0 dill==0.4.1 \
+        multiprocess==0.70.19 torchao==0.18.0          # 5.8 MB
+
+    run(carry=[".whl"], timeout_s=590, command=
+        "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target
+         /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; PYTHONUNBUFFERED=1 python3
+         scripts/benchmarks/benchmark_gpu.py --out $OUT/bench --budget 520
+         --only cp2_one_gpu,fsdp2_one_gpu,deepseek_v3_671b_width,mla_attention")
+
+and on a later loan `--only mfu_levers_1b,chat_vs_pretrain --budget 480` (330 + 140 s). Checked with
+`--small` on the CPU under torch 2.13; the APIs the new parts use (torch.backends.cuda's
+enable_*_sdp, torch.nn.attention.sdpa_kernel and SDPBackend.CUDNN_ATTENTION, inductor's
+coordinate_descent_tuning, torch._dynamo.utils.counters) checked present in torch 2.11.0's wheel.
 """
 
 import argparse
@@ -80,8 +111,8 @@ PARTS = {  # name: (function, estimated seconds on an H100), in priority order
     # Issue 60's, in its order: run with --only (the docstring's command), after cp2/fsdp2 above.
     "deepseek_v3_671b_width": (gpu_recipes.part_deepseek_v3_671b_width, 240),
     "mla_attention": (gpu_kernels.part_mla_attention, 40),
-    "mfu_levers_1b": (gpu_recipes.part_mfu_levers_1b, 300),
-    "chat_vs_pretrain": (gpu_recipes.part_chat_vs_pretrain, 120),
+    "mfu_levers_1b": (gpu_recipes.part_mfu_levers_1b, 330),
+    "chat_vs_pretrain": (gpu_recipes.part_chat_vs_pretrain, 140),
 }
 
 
