@@ -165,8 +165,11 @@ def print_table(results: dict) -> None:
     for name, r in results.items():
         if "rows" in r:  # side by side in one process: each row with its ratio to the first
             for variant, row in r["rows"].items():
+                if "tps" not in row:
+                    print(f"| {name}: {variant} | {json.dumps(row)} | | | | | {r['part_s']} |")
+                    continue
                 graphs = f"{row['unique_graphs']} ({row['graph_breaks']})"
-                tps = f"{row['tps']:,} (x{row['tps_ratio']})"
+                tps = f"{row['tps']:,} (x{row.get('tps_ratio', '?')})"
                 cells = [tps, row["mfu_pct"], row["memory_gib"], row["step_ms"], graphs, r["part_s"]]
                 print(f"| {name}: {variant} | " + " | ".join(map(str, cells)) + " |")
             theirs = r.get("torchtitan_dsv3")

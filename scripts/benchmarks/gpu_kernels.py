@@ -299,10 +299,9 @@ def part_mla_attention(out: Path, small: bool) -> dict:
     grad = torch.randn(*shape, args.v_head_dim, device=device, dtype=dtype)
 
     def core(backend: SDPBackend | None):  # noqa: ANN202
-        context = sdpa_kernel([backend]) if backend is not None else nullcontext()
-
         def step() -> torch.Tensor:
-            with context:
+            # A fresh context each call: sdpa_kernel's is a generator's, good for one `with` only.
+            with sdpa_kernel([backend]) if backend is not None else nullcontext():
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
                 y.backward(grad)
             return y.detach()

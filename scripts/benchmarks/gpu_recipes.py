@@ -5,6 +5,7 @@ same process one after the other (dynamo reset between them), so that each row's
 baseline is measured on the same machine in the same call."""
 
 import contextlib
+import gc
 import json
 import os
 import subprocess
@@ -36,16 +37,23 @@ def side_by_side(
     """Each variant (argv, a context to run it in or None, its --small extra options) through
     train.py in this process, the first one the baseline: its figures and its ratios to the baseline
     (tokens/s, MFU, memory). Compiled code, dynamo's counters and the allocator's cache are reset
-    between variants, so that each compiles and counts its own graphs."""
+    between variants, so that each compiles and counts its own graphs, and its memory is its own."""
     rows: dict = {}
     for variant, (argv, context, small_extra) in variants.items():
-        torch._dynamo.reset()
+        release_gpu()  # train.py leaves the collector off: the last variant's cycles go here
         torch._dynamo.utils.counters.clear()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        with context() if context else contextlib.nullcontext():
-            row = train_figures(out, f"{name}_{variant}", argv, small, None, steps, small_extra)
-        base = rows[next(iter(rows))] if rows else row
+        try:
+            with context() if context else contextlib.nullcontext():
+                row = train_figures(out, f"{name}_{variant}", argv, small, None, steps, small_extra)
+        except (Exception, SystemExit) as e:  # one lever failing (a backend refusing) leaves the others
+            rows[variant] = {
+                "failed": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            }
+            continue
+        base = rows[next(iter(variants))] if rows else row
+        if "tps" not in base:
+            rows[variant] = row  # no baseline to compare with
+            continue
         row["tps_ratio"] = round(row["tps"] / base["tps"], 3)
         if row["mfu_pct"] is not None and base["mfu_pct"]:
             row["mfu_ratio"] = round(row["mfu_pct"] / base["mfu_pct"], 3)
@@ -117,13 +125,24 @@ def part_deepseek_v3_671b_width(out: Path, small: bool) -> dict:
         out / "torchtitan_dsv3", small, {"TT_MODEL": "dsv3", "TT_EXPERTS": str(experts)}
     )
     theirs, ours = result["torchtitan_dsv3"], result["rows"]["ours"]
-    if isinstance(theirs, dict) and theirs.get("tps"):
+    if isinstance(theirs, dict) and theirs.get("tps") and ours.get("tps"):
         result["tps_ours_over_torchtitan"] = round(ours["tps"] / theirs["tps"], 3)
     return result
 
 
+def release_gpu() -> None:
+    """Give back what this process's runs hold on the GPU (compiled code, cycles, the allocator's
+    cache), so that a process started next has the device to itself."""
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def torchtitan_run(dump: Path, small: bool, env: dict[str, str]) -> dict | str:
-    """compare_torchtitan/run.sh with `env`: its summary, or why there is none."""
+    """compare_torchtitan/run.sh with `env`: its summary, or why there is none. Our run's memory
+    is released first: the two 4 B-parameter models would not fit on the GPU together."""
+    release_gpu()
     if not any((ROOT / ".whl").glob("torchtitan-0.3.0-*.whl")):
         return "not run: no .whl/torchtitan-0.3.0-py3-none-any.whl (see benchmark_gpu.py's docstring)"
     env = {**os.environ, "TT_SITE": "/tmp/torchtitan_site", "TT_STEPS": "30", "TT_TIMEOUT": "200", **env}
