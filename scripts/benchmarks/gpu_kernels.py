@@ -328,6 +328,9 @@ def part_mla_attention(out: Path, small: bool) -> dict:
             ms[name] = timed(fn)
         except RuntimeError as e:  # a backend that does not take these shapes (or this device)
             ms[name] = f"not run: {str(e).splitlines()[0][:100]}"
+    from scripts.benchmarks.gpu_recipes import sdpa_choice
+
+    result["sdpa_backend_default"] = sdpa_choice(tuple(q.shape), args.v_head_dim)
     base = ms["sdpa_default"]
     result["ms"] = ms
     result["ratio_to_sdpa_default"] = {n: round(t / base, 3) for n, t in ms.items() if isinstance(t, float)}

@@ -182,6 +182,19 @@ def sdpa_cudnn_only() -> Iterator[None]:
             enable(on)
 
 
+def sdpa_choice(q_shape: tuple[int, ...], v_head_dim: int | None = None) -> str:
+    """The backend causal SDPA dispatches to for bf16 queries, keys and values of these shapes
+    (keys as queries, values' last dimension v_head_dim) under the current settings, on this
+    device: torch._fused_sdp_choice, the dispatcher's own choice."""
+    from torch.nn.attention import SDPBackend
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q = torch.empty(q_shape, device=device, dtype=torch.bfloat16)
+    v = q if v_head_dim is None else torch.empty(*q_shape[:-1], v_head_dim, device=device, dtype=q.dtype)
+    choice = torch._fused_sdp_choice(q, q, v, is_causal=True)
+    return next((name for name, b in SDPBackend.__members__.items() if int(b) == choice), str(choice))
+
+
 def coordinate_descent() -> contextlib.AbstractContextManager:
     import torch._inductor.config as inductor_config
 
@@ -190,9 +203,10 @@ def coordinate_descent() -> contextlib.AbstractContextManager:
 
 def part_mfu_levers_1b(out: Path, small: bool) -> dict:
     """llama1b (the 1B model, causal SDPA, full logits, 4 x 2048 tokens a step, compiled, bf16: the
-    47% MFU row) with one lever changed at a time, 20 steps each: SDPA's cuDNN backend alone (default
-    dispatch takes flash), 2 x 4096 tokens a step, inductor's coordinate_descent_tuning, the chunked
-    loss (loss_chunk_tokens 2048, as the recipe has it). Each row's ratios are to llama1b's."""
+    47% MFU row) with one lever changed at a time, 20 steps each: SDPA's cuDNN backend alone (train.py
+    has no backend option: SDPA's own dispatch picks, recorded as sdpa_backend_default), 2 x 4096
+    tokens a step, inductor's coordinate_descent_tuning, the chunked loss (loss_chunk_tokens 2048, as
+    the recipe has it). Each row's ratios are to llama1b's."""
     variants = {
         "recipe": (LLAMA_1B, None, ()),
         "sdpa_cudnn": (LLAMA_1B, sdpa_cudnn_only, ()),
@@ -201,7 +215,12 @@ def part_mfu_levers_1b(out: Path, small: bool) -> dict:
         "coordinate_descent": (LLAMA_1B, coordinate_descent, ()),
         "chunked_loss_2048": ([*LLAMA_1B, "--training.loss_chunk_tokens", "2048"], None, ()),
     }  # fmt: skip
-    return side_by_side(out, "mfu_levers_1b", variants, small)
+    result = side_by_side(out, "mfu_levers_1b", variants, small)
+    shape = (4, 32, 2048, 64)  # the 1B's attention: batch, heads, tokens, head dim
+    result["sdpa_backend_default"] = sdpa_choice(shape)
+    with sdpa_cudnn_only():
+        result["sdpa_backend_in_sdpa_cudnn"] = sdpa_choice(shape)
+    return result
 
 
 def part_chat_vs_pretrain(out: Path, small: bool) -> dict:
