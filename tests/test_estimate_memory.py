@@ -295,3 +295,15 @@ def test_moe_estimate_splits_the_experts_and_counts_the_rows_they_receive():
     assert peak == pytest.approx(params + grads + optimizer + activations, abs=0.005)
     ((*_, loaded_peak),) = estimate(4, *layout, "--expert-load", "2", how="receive 2x balanced")
     assert loaded_peak - peak >= 3 * (4 * 256 * 2) * (256 + 3 * 256) * 4 / GIB
+
+
+def test_pipeline_stages_carrying_the_balancing_losses_are_estimated():
+    """DeepSeek-V3's stages pass the router statistics and the sequence-wise loss on beside the
+    activations, and their gradients come back: the fake pipeline's example tensors must take
+    gradients too (its stage backward failed when the batch-wise auxiliary loss was on)."""
+    losses = ["--moe.aux_loss_coef", "0.001", "--moe.sequence_aux_loss_coeff", "0.0001"]
+    ranks = estimate(2, *DEEPSEEK_V3, *PP2, *losses, how="all 3 layers simulated")
+    assert len(ranks) == 2
+    for params, grads, optimizer, activations, peak in ranks:
+        assert params > 0 and grads > 0 and optimizer > 0
+        assert peak == pytest.approx(params + grads + optimizer + activations, abs=0.005)

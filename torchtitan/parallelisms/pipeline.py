@@ -211,8 +211,11 @@ def build_pipeline(
                 )
             if stage_io:
                 num_experts = model.model_args.num_experts
-                stats = (outputs.new_zeros(num_experts, dtype=torch.int64), outputs.new_zeros(num_experts))
-                stats = (stats if pooled else ()) + ((outputs.new_zeros(1),) if sequence else ())
+                # The float statistics carry gradients back, as the activations do.
+                counts = outputs.new_zeros(num_experts, dtype=torch.int64)
+                prob_sums = outputs.new_zeros(num_experts).requires_grad_()
+                loss = outputs.new_zeros(1).requires_grad_()
+                stats = ((counts, prob_sums) if pooled else ()) + ((loss,) if sequence else ())
                 inputs = inputs if is_first else (inputs, *stats)
                 outputs = (outputs, *stats)
         stages.append(
