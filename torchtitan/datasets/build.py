@@ -62,6 +62,12 @@ def _mixture_source(
     return Source(name, weight, reader, file_stats(source_files(name, path, source.split)))
 
 
+def _mixture(sources: list[Source], seq_len: int, layout: BatchLayout, seed: int) -> MixtureDataset:
+    """The mixture of `sources`, its rows this rank's share of `layout`'s batches."""
+    rank = (layout.batch_size, layout.dp_world_size, layout.dp_rank, layout.grad_accum_steps)
+    return MixtureDataset(sources, seq_len, *rank, seed)
+
+
 def build_dataset(
     source: DataSource,
     tokenizer: TextTokenizer,
@@ -85,15 +91,7 @@ def build_dataset(
             _mixture_source(name, weight, source, tokenizer, seq_len, layout, vocab_size)
             for name, weight in source.mixture
         ]
-        return MixtureDataset(
-            sources,
-            seq_len,
-            layout.batch_size,
-            layout.dp_world_size,
-            layout.dp_rank,
-            layout.grad_accum_steps,
-            source.seed,
-        )
+        return _mixture(sources, seq_len, layout, source.seed)
     if source.path is not None and is_pretokenized(folder := resolve_data_path(source.path)):
         manifest = read_manifest(folder, tokenizer.model_path, vocab_size or tokenizer.n_words)
         return PretokenizedDataset(
@@ -134,15 +132,7 @@ def _chat_mixture(
             contents = file_stats(source_files(name, path, source.split))
             reader = ChatSource(name, ds, encoder, seq_len, pad_id, layout.global_batch, layout.rows())
         sources.append(Source(name, weight, reader, contents))
-    return MixtureDataset(
-        sources,
-        seq_len,
-        layout.batch_size,
-        layout.dp_world_size,
-        layout.dp_rank,
-        layout.grad_accum_steps,
-        source.seed,
-    )
+    return _mixture(sources, seq_len, layout, source.seed)
 
 
 def build_training_data_loader(

@@ -13,8 +13,6 @@ that differs is refused.
 
 import hashlib
 import json
-import os
-import shutil
 import zlib
 from bisect import bisect_right
 from collections.abc import Iterator
@@ -24,16 +22,13 @@ from typing import Any
 import numpy as np
 
 from torchtitan.datasets.chat import ChatEncoder, Encoded
-from torchtitan.datasets.hf_tokenizer import tokenizer_file
 from torchtitan.datasets.pretokenized import (
-    CHECK_TOKENS,
-    FORMAT_VERSION,
-    MANIFEST,
     TOKEN_DTYPES,
     block_checksums,
-    file_sha256,
     shard_names,
     token_dtype,
+    write_manifest,
+    written_whole,
 )
 from torchtitan.datasets.streams import too_small
 
@@ -63,13 +58,9 @@ def pretokenize_chats(
     """Write the pre-tokenized chat folder `output` from `texts` (one list of conversations, each JSON
     role/content messages, per shard); returns its manifest. Written to a temporary folder renamed at the
     end, as pretokenized.pretokenize's."""
-    if output.exists():
-        raise FileExistsError(f"{output} exists; choose a new --output folder or remove it")
     dtype = TOKEN_DTYPES[token_dtype(vocab_size)]
-    tmp = output.with_name(f"{output.name}.tmp-{os.getpid()}")
-    tmp.mkdir(parents=True)
     shards: list[dict[str, Any]] = []
-    try:
+    with written_whole(output) as tmp:
         for index, batch in enumerate(texts):
             encoded = [encoder.encode(json.loads(text)) for text in batch]
             docs = [e.ids if e is not None else [] for e in encoded]
@@ -92,28 +83,8 @@ def pretokenize_chats(
                     "crc32": zlib.crc32(tokens),
                 }
             )
-        manifest = {
-            "format": "torchtitan pre-tokenized",
-            "version": FORMAT_VERSION,
-            "tokenizer": {
-                "path": str(tokenizer_file(tokenizer_path)),
-                "sha256": file_sha256(tokenizer_file(tokenizer_path)),
-                "vocab_size": vocab_size,
-            },
-            "dtype": token_dtype(vocab_size),
-            "checksum_tokens": CHECK_TOKENS,
-            "source": source,
-            "chat": {**chat_settings(encoder), "counts": encoder.counts.counts},
-            "num_documents": sum(s["num_documents"] for s in shards),
-            "num_tokens": sum(s["num_tokens"] for s in shards),
-            "shards": shards,
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        os.rename(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return manifest
+        chat = {**chat_settings(encoder), "counts": encoder.counts.counts}
+        return write_manifest(tmp, tokenizer_path, vocab_size, source, shards, chat=chat)
 
 
 class PretokenizedChats:

@@ -16,6 +16,7 @@ The state is the epoch and the windows consumed in it, the same on every rank, s
 any layout and with any global batch size (it goes on from the next unconsumed window).
 """
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -405,13 +406,9 @@ def pretokenize(
     an interrupted run leaves no `output` behind."""
     from tqdm import tqdm
 
-    if output.exists():
-        raise FileExistsError(f"{output} exists; choose a new --output folder or remove it")
     dtype = token_dtype(vocab_size)
-    tmp = output.with_name(f"{output.name}.tmp-{os.getpid()}")
-    tmp.mkdir(parents=True)
     shards: list[dict[str, Any]] = []
-    try:
+    with written_whole(output) as tmp:
         progress = tqdm(total=total_documents, unit="doc", desc="pretokenize", dynamic_ncols=True)
         init = (tokenizer_path, dtype, str(tmp))
         with multiprocessing.Pool(workers, initializer=_init_worker, initargs=init) as pool, progress:
@@ -428,24 +425,50 @@ def pretokenize(
                     collect()
             while pending:
                 collect()
-        manifest = {
-            "format": "torchtitan pre-tokenized",
-            "version": FORMAT_VERSION,
-            "tokenizer": {
-                "path": str(tokenizer_file(tokenizer_path)),
-                "sha256": file_sha256(tokenizer_file(tokenizer_path)),
-                "vocab_size": vocab_size,
-            },
-            "dtype": dtype,
-            "checksum_tokens": CHECK_TOKENS,
-            "source": source,
-            "num_documents": sum(s["num_documents"] for s in shards),
-            "num_tokens": sum(s["num_tokens"] for s in shards),
-            "shards": shards,
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        return write_manifest(tmp, tokenizer_path, vocab_size, source, shards)
+
+
+@contextlib.contextmanager
+def written_whole(output: Path) -> Iterator[Path]:
+    """A temporary folder beside `output`, renamed to it once the block is done and removed if it fails:
+    an interrupted run leaves no `output` behind."""
+    if output.exists():
+        raise FileExistsError(f"{output} exists; choose a new --output folder or remove it")
+    tmp = output.with_name(f"{output.name}.tmp-{os.getpid()}")
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
         os.rename(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_manifest(
+    folder: Path,
+    tokenizer_path: str,
+    vocab_size: int,
+    source: dict[str, Any],
+    shards: list[dict[str, Any]],
+    **extra: Any,
+) -> dict[str, Any]:
+    """Write and return the manifest of `folder`'s `shards`; `extra` entries (chat's settings) follow
+    `source`."""
+    manifest = {
+        "format": "torchtitan pre-tokenized",
+        "version": FORMAT_VERSION,
+        "tokenizer": {
+            "path": str(tokenizer_file(tokenizer_path)),
+            "sha256": file_sha256(tokenizer_file(tokenizer_path)),
+            "vocab_size": vocab_size,
+        },
+        "dtype": token_dtype(vocab_size),
+        "checksum_tokens": CHECK_TOKENS,
+        "source": source,
+        **extra,
+        "num_documents": sum(s["num_documents"] for s in shards),
+        "num_tokens": sum(s["num_tokens"] for s in shards),
+        "shards": shards,
+    }
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
