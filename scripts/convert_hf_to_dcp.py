@@ -1,5 +1,6 @@
-"""Import a Hugging Face Llama, Qwen3, Qwen3-MoE or DeepSeek-V3 folder (config.json and safetensors, sharded with
-model.safetensors.index.json or not) as a DCP checkpoint of the model weights, to start a run from:
+"""Import a Hugging Face Llama, Qwen3, Qwen3-MoE or DeepSeek-V3 folder (config.json and safetensors,
+sharded with model.safetensors.index.json or not) as a DCP checkpoint of the model weights, to start a
+run from:
 
     python scripts/convert_hf_to_dcp.py path/to/Meta-Llama-3-8B outputs/llama3_8b_dcp
     ./run_llama_train.sh --model.flavor 8B --checkpoint.initial_load_path outputs/llama3_8b_dcp
@@ -11,8 +12,9 @@ it (torchtitan/checkpoint/hf_reader.py): the index and its shards must agree, da
 line, a tensor missing is named, and tensors no model here has a place for are named as skipped.
 DeepSeek-V3's multi-token prediction depths are kept (--mtp-layers N keeps the first N, 0 none), to
 train with model.mtp_layers of as many. A tied model (no lm_head.weight) gets output.weight, a copy of
-the embeddings, as our model's state dict has both. The output is a new or empty folder (--overwrite replaces one), never a run's checkpoint. The
-run's model.name, model.flavor and tokenizer must match the HF model; the run checks the shapes.
+the embeddings, as our model's state dict has both. The output is a new or empty folder (--overwrite
+replaces one), never a run's checkpoint, written whole or not at all. The run's model.name,
+model.flavor and tokenizer must match the HF model; the run checks the shapes.
 """
 
 import argparse
