@@ -72,7 +72,9 @@ def hf_config(
 def hf_tensors(config: dict, mtp_layers: int = 0) -> list[str]:
     """Every tensor a Qwen3MoeForCausalLM folder of `config` holds (hf_reader.py refuses one missing):
     sparse layers as transformers places them (not in mlp_only_layers, every decoder_sparse_step-th)."""
-    experts, step = config.get("num_experts") or 0, config.get("decoder_sparse_step") or 1
+    # transformers 5 writes num_local_experts, the Hub's files num_experts (128: transformers' default).
+    experts = config.get("num_experts", config.get("num_local_experts", 128))
+    step = config.get("decoder_sparse_step") or 1
     dense = set(config.get("mlp_only_layers") or [])
 
     def sparse(layer: int) -> bool:
