@@ -5,7 +5,8 @@ of any decoder built on Llama's transformer.
 An adapter module has `MODEL_TYPE` (config.json's "model_type", by which convert_hf_to_dcp.py picks
 it), `to_hf(state_dict, model_args)`, `from_hf(state_dict, config)` and
 `hf_config(model_args, state_dict, max_position_embeddings, dtype)` (config.json, less
-"architectures": that is the spec's `hf_architecture`).
+"architectures": that is the spec's `hf_architecture`) and `hf_tensors(config, mtp_layers)` (every
+tensor a folder of that config.json holds: `expected_tensors`).
 """
 
 import re
