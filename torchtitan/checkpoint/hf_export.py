@@ -77,11 +77,11 @@ def export_hf(
         "architectures": [spec.hf_architecture],
         **adapter.hf_config(model_args, weights, max_position_embeddings, weights["norm.weight"].dtype),
     }
+    chat_template = (read_model_record(checkpoint) or {}).get("chat_template")  # a chat run's
     with replacing_folder(output) as new:
         folder = Path(new)
         save_file(adapter.to_hf(weights, model_args), folder / "model.safetensors", {"format": "pt"})
         if tokenizer is not None:
-            chat_template = (read_model_record(checkpoint) or {}).get("chat_template")
             stops = write_tokenizer_files(tokenizer, folder, max_position_embeddings, chat_template)
             ids = {
                 "bos_token_id": tokenizer.bos_id,
