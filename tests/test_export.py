@@ -174,3 +174,16 @@ def test_a_chat_run_exports_its_template_and_stops_at_the_end_of_the_turn(tmp_pa
         run_train_in_process(*again, "--training.steps", "1", "--job.dump_folder", str(tmp_path / "again"))
         == 0
     )
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--chat", "Hi", "--prompt", "And"], "--prompt: continues a text, --chat answers a message"),
+        (["--system", "Be brief"], "--system: a system prompt for --chat; give --chat MESSAGE too"),
+    ],
+)
+def test_generate_chat_options_are_one_line(argv, message, capsys):
+    assert generate_py.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
