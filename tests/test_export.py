@@ -187,3 +187,30 @@ def test_generate_chat_options_are_one_line(argv, message, capsys):
     assert generate_py.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_a_template_from_chat_template_path_is_recorded_and_exported(tmp_path):
+    """A tokenizer without a template, the run's from chat.template_path: the checkpoint records it (the
+    manager's model_record) and the script's export writes it as chat_template.jinja, with its end of
+    turn in generation_config.json."""
+    import torch.distributed.checkpoint as dcp
+    from test_chat_train import tokenizer_without_template
+    from test_convert import random_model
+
+    from torchtitan.checkpoint.state import RECORD, model_record
+    from torchtitan.datasets.hf_export import trained_chat_template
+
+    tokenizer = tokenizer_without_template(tmp_path / "tokenizer")
+    source = "{#- the run's own template -#}\n" + (HF_TOKENIZER / "chat_template.jinja").read_text()
+    (tmp_path / "chat.jinja").write_text(source)
+    argv = [*CHAT[: -len(EXPORTED)], "--model.tokenizer_path", str(tokenizer)]
+    job = parse_args([*argv, "--chat.template_path", str(tmp_path / "chat.jinja")])
+    record = model_record(job.model, trained_chat_template(job.model, job.chat))
+    assert record["chat_template"] == source
+    args = build_model_args(job, HFTokenizer(tokenizer).n_words, HFTokenizer(tokenizer).eos_id)
+    state = {"model": random_model(args, "qwen3").state_dict(), RECORD: record}
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert convert_dcp_to_hf.main([str(tmp_path / "dcp"), str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "chat_template.jinja").read_text() == source
+    im_end = HFTokenizer(tokenizer).encode_rendered("<|im_end|>")[0][0]
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"][-1] == im_end
