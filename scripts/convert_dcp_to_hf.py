@@ -1,7 +1,7 @@
 """Export a checkpoint's model weights as a Hugging Face folder (config.json and model.safetensors)
 that `transformers.AutoModelForCausalLM.from_pretrained` loads, for any model.name (Llama 2 and 3 as
 LlamaForCausalLM, Qwen3 as Qwen3ForCausalLM, Qwen3-MoE as Qwen3MoeForCausalLM with the Hub's
-per-expert weights):
+per-expert weights, DeepSeek-V3 as DeepseekV3ForCausalLM):
 
     python scripts/convert_dcp_to_hf.py outputs/checkpoint/step-100 hf_model
     python scripts/convert_dcp_to_hf.py converted_from_hf hf_model --name qwen3 --flavor 0.6B  # no record
@@ -13,7 +13,10 @@ tied model's file has no lm_head.weight, as HF's. The run's tokenizer (the recor
 or --tokenizer) is written beside the weights (tokenizer.json and tokenizer_config.json: a Hugging Face
 tokenizer's as they are, a tiktoken file converted, torchtitan/datasets/hf_export.py), with its BOS,
 EOS and pad ids in config.json and generation_config.json, so that transformers'
-`pipeline("text-generation", model=folder)` runs as it is. The output is a new or empty folder
+`pipeline("text-generation", model=folder)` runs as it is; a chat run's template (its record) as
+chat_template.jinja, with its end-of-turn token in generation_config.json's eos_token_id; DeepSeek-V3's
+multi-token prediction depths as DeepSeek's layers N + i. The same function writes
+`checkpoint.last_save_in_hf`'s folder, so the two are the same files. The output is a new or empty folder
 (--overwrite replaces one whole, so that no stale shard is loaded with the new weights), never a run's
 checkpoint nor a folder holding the checkpoint read.
 """

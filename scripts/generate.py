@@ -1,13 +1,19 @@
 """Sample text from a training run's checkpoint.
 
     python scripts/generate.py --job.config_file F --job.dump_folder D [--prompt TEXT]
-        [--max_new_tokens N] [--temperature T] [--top_k K] [--seed S] [--section.key VALUE ...]
+        [--chat MESSAGE [--system TEXT]] [--max_new_tokens N] [--temperature T] [--top_k K] [--seed S]
+        [--section.key VALUE ...]
 
 The model, tokenizer and checkpoint come from the run's own options (any train.py option may be
 given, e.g. --checkpoint.load_step 200): the latest complete checkpoint in
 {dump_folder}/{checkpoint.folder}, a model_weights_only export included, else
 checkpoint.initial_load_path (a DCP checkpoint or a Hugging Face model folder). One process, on the
 GPU if there is one. The text goes to stdout, the checkpoint's path to stderr.
+
+--chat MESSAGE asks a chat model: the conversation (an optional --system prompt, the user's MESSAGE)
+rendered with the chat template the run trains with (the tokenizer's own, else chat.template_path)
+and its generation prompt, the reply sampled until the end of the turn (the
+template's end-of-turn token, e.g. <|im_end|>) or EOS, and printed alone.
 """
 
 import argparse
@@ -27,6 +33,9 @@ from torchtitan.checkpoint.safe_reader import SafeLoadPlanner, SafeReader, saved
 from torchtitan.config.options import ConfigError, JobConfig  # noqa: E402
 from torchtitan.config.parser import OneLineParser, parse_args  # noqa: E402
 from torchtitan.config.paths import check_folder, resolve_path  # noqa: E402
+from torchtitan.datasets.chat_template import load_chat_template  # noqa: E402
+from torchtitan.datasets.hf_export import end_of_turn_id  # noqa: E402
+from torchtitan.datasets.hf_tokenizer import HFTokenizer  # noqa: E402
 from torchtitan.datasets.tokenizer import AnyTokenizer, build_tokenizer  # noqa: E402
 from torchtitan.errors import bad_input, run_with_exit_codes  # noqa: E402
 from torchtitan.models import build_model_args, model_spec  # noqa: E402
@@ -41,6 +50,10 @@ def build_parser() -> OneLineParser:
         allow_abbrev=False,
     )
     parser.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
+    parser.add_argument(
+        "--chat", metavar="MESSAGE", help="a user message to answer with the chat template; prints the reply"
+    )
+    parser.add_argument("--system", help="with --chat: a system prompt before the message")
     parser.add_argument("--max_new_tokens", type=int, default=100, help="tokens to sample (default 100)")
     parser.add_argument(
         "--temperature", type=float, default=1.0, help="softmax temperature; 0 picks the likeliest token"
@@ -93,9 +106,10 @@ def generate(
     top_k: int | None,
     generator: torch.Generator,
     vocab_size: int,
-    stop_id: int | None = None,
+    stop_ids: frozenset[int] = frozenset(),
 ) -> list[int]:
-    """Sample up to `max_new_tokens` tokens after `prompt`, among the first `vocab_size` (the
+    """Sample up to `max_new_tokens` tokens after `prompt`, stopping before any of `stop_ids` (EOS, a
+    chat template's end of turn), among the first `vocab_size` (the
     tokenizer's: rows that pad the embedding are never picked). No KV cache: each token re-reads the
     context (at most the model's max_seq_len tokens), which is simple and fine for a quick look."""
     device = next(model.parameters()).device
@@ -111,7 +125,7 @@ def generate(
                 kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             next_id = int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
-        if next_id == stop_id:
+        if next_id in stop_ids:
             break
         new.append(next_id)
         tokens = torch.cat([tokens, torch.tensor([[next_id]], device=device)], dim=1)
@@ -138,6 +152,28 @@ def check_sampling(parser: OneLineParser, args: argparse.Namespace, job_argv: li
         raise ConfigError(f"--temperature: must be >= 0, got {args.temperature}")
     if args.top_k is not None and args.top_k < 1:
         raise ConfigError(f"--top_k: must be >= 1, got {args.top_k}")
+    if args.chat is not None and args.prompt:
+        raise ConfigError("--prompt: continues a text, --chat answers a message; give one of them")
+    if args.system is not None and args.chat is None:
+        raise ConfigError("--system: a system prompt for --chat; give --chat MESSAGE too")
+
+
+def chat_prompt(
+    args: argparse.Namespace, job_config: JobConfig, tokenizer: AnyTokenizer
+) -> tuple[list[int], frozenset[int]]:
+    """--chat's conversation as the template renders it for the assistant's reply, and the ids that end
+    the reply: EOS and the template's end of turn. The template is the one training uses: the
+    tokenizer's own, else chat.template_path (the job's options select the run, and so its template)."""
+    if not isinstance(tokenizer, HFTokenizer):
+        raise ConfigError(
+            "--chat: needs a Hugging Face tokenizer (model.tokenizer_path: a tokenizer.json folder)"
+        )
+    with bad_input("chat.template_path"):
+        template = load_chat_template(tokenizer.folder, tokenizer.config, job_config.chat.template_path)
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    text, _ = template.render([*system, {"role": "user", "content": args.chat}], add_generation_prompt=True)
+    end = end_of_turn_id(template, tokenizer)
+    return tokenizer.encode_rendered(text)[0], frozenset(i for i in (tokenizer.eos_id, end) if i is not None)
 
 
 def run(argv: list[str]) -> int:
@@ -156,20 +192,17 @@ def run(argv: list[str]) -> int:
         tokenizer = build_tokenizer(resolve_path(job_config.model.tokenizer_path))
     model = load_model(job_config, tokenizer, device)
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    # A document starts after BOS or, for a tokenizer without one, after the EOS ending the one before.
-    start = tokenizer.eos_id if tokenizer.bos_id is None else tokenizer.bos_id
-    prompt = [start, *tokenizer.encode(args.prompt, bos=False, eos=False)]
+    if args.chat is not None:
+        prompt, stops = chat_prompt(args, job_config, tokenizer)
+    else:
+        # A document starts after BOS or, for a tokenizer without one, after the EOS ending the one before.
+        start = tokenizer.eos_id if tokenizer.bos_id is None else tokenizer.bos_id
+        prompt = [start, *tokenizer.encode(args.prompt, bos=False, eos=False)]
+        stops = frozenset([tokenizer.eos_id])
     new = generate(
-        model,
-        prompt,
-        args.max_new_tokens,
-        args.temperature,
-        args.top_k,
-        generator,
-        tokenizer.n_words,
-        tokenizer.eos_id,
+        model, prompt, args.max_new_tokens, args.temperature, args.top_k, generator, tokenizer.n_words, stops
     )
-    print(args.prompt + tokenizer.decode(new))
+    print((args.prompt or "") + tokenizer.decode(new))
     return 0
 
 

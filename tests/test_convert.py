@@ -360,3 +360,30 @@ def test_converters_never_write_over_a_users_files(tmp_path, capsys):
     exported = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
     assert sorted(path.name for path in hf.iterdir()) == [*exported, "tokenizer_config.json"]
     assert folder_bytes(step) == before[step]
+
+
+def drop_tensor(folder: Path, name: str) -> None:
+    """The folder without the tensor `name` (in a single model.safetensors or a shard of the index)."""
+    index = folder / INDEX
+    files = json.loads(index.read_text())["weight_map"] if index.exists() else {name: "model.safetensors"}
+    tensors = load_file(folder / files[name])
+    del tensors[name]
+    save_file(tensors, folder / files[name], {"format": "pt"})
+    if index.exists():
+        listing = json.loads(index.read_text())
+        del listing["weight_map"][name]
+        index.write_text(json.dumps(listing))
+
+
+def test_a_folder_missing_a_layers_tensor_is_one_line_naming_it(tmp_path, capsys):
+    """A layer's tensor gone from a sharded folder (its index too, so that the two agree): one line
+    naming the tensor and the index, exit 2, nothing written, rather than a checkpoint without it."""
+    hf, _ = sharded_hf_folder(tmp_path)
+    drop_tensor(hf, "model.layers.1.self_attn.k_norm.weight")
+    capsys.readouterr()
+    assert convert_hf_to_dcp.main([str(hf), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and not (tmp_path / "out").exists(), err
+    assert err.startswith(
+        f"error: hf_folder: no file of {hf / INDEX} holds model.layers.1.self_attn.k_norm"
+    ), err

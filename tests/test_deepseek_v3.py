@@ -21,6 +21,7 @@ from test_hf_load import hub_folder
 
 from torchtitan.checkpoint.hf_export import export_hf
 from torchtitan.checkpoint.hf_reader import load_hf_weights
+from torchtitan.checkpoint.load import read_model_weights
 from torchtitan.config.options import ConfigError
 from torchtitan.config.parser import parse_args
 from torchtitan.models import MODEL_SPECS
@@ -339,3 +340,38 @@ def test_an_mtp_layer_round_trips_and_transformers_loads_the_export(tmp_path):
     assert reader.skipped_summary().startswith(
         f"multi-token prediction layers: 44 tensors (model.layers.{n}."
     )
+
+
+def test_hf_to_dcp_keeps_a_folders_mtp_depth_and_refuses_it_cut(tmp_path, capsys):
+    """convert_hf_to_dcp.py keeps the folder's depth by default (the tensors of model.mtp_layers 1's
+    checkpoint), drops it with --mtp-layers 0, refuses more depths than the folder's; a depth's tensor
+    gone is one line naming it, exit 2, nothing written (with --mtp-layers 0 it is not needed)."""
+    from scripts import convert_hf_to_dcp
+
+    args = replace(job_args("debugmodel"), mtp_layers=1)
+    folder = make_hub_with_mtp(tmp_path / "hub", args)
+    model = SPEC.build(args)
+    job = parse_args(["--model.name", "deepseek_v3", "--model.mtp_layers", "1"])
+    load_hf_weights(model, str(folder), job.model, args)
+    assert convert_hf_to_dcp.main([str(folder), str(tmp_path / "dcp")]) == 0
+    assert "kept 1 multi-token prediction depths" in capsys.readouterr().out
+    back = read_model_weights(str(tmp_path / "dcp"))
+    expected = model.state_dict()
+    assert back.keys() == expected.keys() and all(torch.equal(back[k], w) for k, w in expected.items())
+    assert convert_hf_to_dcp.main([str(folder), str(tmp_path / "none"), "--mtp-layers", "0"]) == 0
+    assert not any(k.startswith("mtp.") for k in read_model_weights(str(tmp_path / "none")))
+    capsys.readouterr()
+    assert convert_hf_to_dcp.main([str(folder), str(tmp_path / "two"), "--mtp-layers", "2"]) == 2
+    assert "--mtp-layers: " in capsys.readouterr().err and not (tmp_path / "two").exists()
+    n = args.n_layers
+    from test_convert import drop_tensor
+
+    drop_tensor(folder, f"model.layers.{n}.enorm.weight")
+    assert convert_hf_to_dcp.main([str(folder), str(tmp_path / "cut")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.count("\n") == 1
+        and f"has no model.layers.{n}.enorm.weight" in err
+        and not (tmp_path / "cut").exists()
+    )
+    assert convert_hf_to_dcp.main([str(folder), str(tmp_path / "cut"), "--mtp-layers", "0"]) == 0

@@ -110,6 +110,30 @@ def test_a_bad_hub_folder_is_one_line(tmp_path, capsys):
         load_hf_weights(model, str(smaller), job.model, args)
 
 
+def test_a_hub_folder_missing_a_tensor_is_one_line_naming_it(tmp_path, capsys):
+    """A layer's tensor (train.py, exit 2 before a step) or an expert's (the converter) gone from a folder
+    transformers saved: one line naming the tensor and its file, nothing trained or written."""
+    from test_convert import drop_tensor
+
+    hub = hub_folder(tmp_path / "llama", "llama3")
+    drop_tensor(hub, "model.layers.1.mlp.up_proj.weight")
+    capsys.readouterr()
+    argv = [*ONE_STEP, "--checkpoint.initial_load_path", str(hub), "--job.dump_folder", str(tmp_path / "run")]
+    assert run_train_in_process(*argv) == 2
+    line = capsys.readouterr().err.split("error:")[-1]
+    assert line.count("\n") == 1 and not (tmp_path / "run" / "checkpoint").exists(), line
+    assert line.startswith(
+        f" checkpoint.initial_load_path: {hub / 'model.safetensors'} has no model.layers.1.mlp.up_proj.weight"
+    ), line
+    moe = hub_folder(tmp_path / "moe", "qwen3_moe")
+    drop_tensor(moe, "model.layers.1.mlp.experts.3.down_proj.weight")
+    capsys.readouterr()
+    assert convert_hf_to_dcp.main([str(moe), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has no model.layers.1.mlp.experts.3.down_proj.weight" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def folder_bytes(folder: Path) -> dict[str, bytes]:
     """Every file under `folder` and its bytes: a refused input must be left byte for byte as it was."""
     return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}

@@ -1,15 +1,18 @@
 """A checkpoint's model as a Hugging Face folder that transformers runs as it is: config.json,
-generation_config.json, model.safetensors and the tokenizer's files (scripts/convert_dcp_to_hf.py, and
-`checkpoint.last_save_in_hf` at the end of a run)."""
+generation_config.json, model.safetensors, the tokenizer's files and the chat template the run trained
+with. The one export: scripts/convert_dcp_to_hf.py and `checkpoint.last_save_in_hf` at the end of a run
+both call `export_hf`, which reads everything but the flavour from the checkpoint (its weights, their
+multi-token prediction depths, its record's chat template), so the two write the same folder."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from torchtitan.checkpoint.folder import check_checkpoint, check_output_folder, replacing_folder
-from torchtitan.checkpoint.load import read_model_weights
+from torchtitan.checkpoint.load import read_model_record, read_model_weights
 from torchtitan.config.options import ConfigError
 from torchtitan.datasets.hf_export import write_tokenizer_files
 from torchtitan.datasets.tokenizer import AnyTokenizer
@@ -31,7 +34,10 @@ def export_hf(
     bias_option: str = "--drop-expert-bias",
 ) -> None:
     """Write config.json and model.safetensors of model.name `name`'s checkpoint into `output`, and with
-    the run's `tokenizer` its files, its BOS/EOS/pad ids in config.json and generation_config.json. A
+    the run's `tokenizer` its files, its BOS/EOS/pad ids in config.json and generation_config.json (whose
+    eos_token_id lists the chat template's end-of-turn token too, where there is one: the checkpoint's
+    recorded template, a chat run's, else the tokenizer's own). Multi-token prediction's depths are
+    those the weights hold, whatever `model_args` say (the flavour has none: it is model.mtp_layers). A
     mixture-of-experts model's routing biases (moe.bias_update_rate) have no place in HF's model but
     DeepSeek-V3's (the spec's `hf_expert_bias`, where they are exported): elsewhere a non-zero one is
     refused unless `drop_expert_bias`, as the model routes differently without it.
@@ -59,6 +65,10 @@ def export_hf(
             "--flavor: the flavor ties the output layer to the embeddings, the checkpoint's differ; "
             "pass the flavor the checkpoint was trained with (an untied one)"
         )
+    if spec.mtp:  # DeepSeek's layout: num_nextn_predict_layers, each depth with its copies
+        model_args = replace(
+            model_args, mtp_layers=len({key.split(".")[1] for key in weights if key.startswith("mtp.")})
+        )
     if dtype is not None:
         # A routing bias stays fp32, as transformers keeps DeepSeek-V3's.
         weights = {key: w if key.endswith(".expert_bias") else w.to(dtype) for key, w in weights.items()}
@@ -67,16 +77,18 @@ def export_hf(
         "architectures": [spec.hf_architecture],
         **adapter.hf_config(model_args, weights, max_position_embeddings, weights["norm.weight"].dtype),
     }
+    chat_template = (read_model_record(checkpoint) or {}).get("chat_template")  # a chat run's
     with replacing_folder(output) as new:
         folder = Path(new)
         save_file(adapter.to_hf(weights, model_args), folder / "model.safetensors", {"format": "pt"})
         if tokenizer is not None:
+            stops = write_tokenizer_files(tokenizer, folder, max_position_embeddings, chat_template)
             ids = {
                 "bos_token_id": tokenizer.bos_id,
                 "eos_token_id": tokenizer.eos_id,
                 "pad_token_id": getattr(tokenizer, "pad_id", None),
             }
             config.update(ids)
-            (folder / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
-            write_tokenizer_files(tokenizer, folder, max_position_embeddings)
+            generation = {**ids, "eos_token_id": stops if len(stops) > 1 else tokenizer.eos_id}
+            (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")

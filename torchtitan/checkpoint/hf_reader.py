@@ -142,6 +142,24 @@ def _folder_tensors(option: str, folder: str) -> dict[str, tuple[str, list[int],
     return tensors
 
 
+def _check_complete(option: str, folder: str, tensors: dict, expected: list[str]) -> None:
+    """Every tensor the folder's config.json gives the model is there (a layer's, an expert's, a
+    multi-token prediction depth's), else one line naming the first missing and where it belongs,
+    before anything is read or written."""
+    missing = next((name for name in expected if name not in tensors), None)
+    if missing is None:
+        return
+    index = os.path.lexists(os.path.join(folder, INDEX))
+    where = (
+        f"no file of {shown(os.path.join(folder, INDEX))} holds"
+        if index
+        else f"{shown(os.path.join(folder, SINGLE))} has no"
+    )
+    raise ConfigError(
+        f"{option}: {where} {missing}, which its {HF_CONFIG} needs ({len(expected)} tensors); {DOWNLOAD}"
+    )
+
+
 def _skipped(name: str, patterns: dict) -> str | None:
     """Why the folder's tensor `name` is left out (`patterns`: pattern -> why), or None for one the
     conversion uses."""
@@ -172,6 +190,7 @@ class HFReader(StorageReader):
         patterns = {**SKIPPED, **own}
         self.skipped = {name: why for name in tensors if (why := _skipped(name, patterns)) is not None}
         self.names = sorted(name for name in tensors if name not in self.skipped)
+        _check_complete(option, path, tensors, adapter.hf_tensors(self.config, mtp_layers))
         self.files: dict[str, str] = {}
         self.shapes: dict[str, list[int]] = {}
         self.dtypes: dict[str, torch.dtype] = {}

@@ -104,6 +104,13 @@ def _check_model_shapes(model_state: Stateful, path: str, saved: dict[str, Any])
                 f"is {shape}; {hint}"
             )
     extra = [key for key in saved if key.startswith("model.") and key not in shapes]
+    if extra and extra[0].startswith("model.mtp."):
+        depths = len({key.split(".")[2] for key in extra if key.startswith("model.mtp.")})
+        raise ConfigError(
+            f"model.mtp_layers: {path} holds {extra[0][6:]}, a multi-token prediction depth the model lacks; "
+            f"set model.mtp_layers to the checkpoint's (at least {depths} more), or convert the Hugging Face "
+            "folder with scripts/convert_hf_to_dcp.py --mtp-layers 0"
+        )
     if extra:
         raise ConfigError(f"checkpoint: {path} holds {extra[0][6:]}, which the model lacks; {hint}")
 

@@ -51,6 +51,7 @@ from torchtitan.checkpoint.state import (
 )
 from torchtitan.config.options import JobConfig
 from torchtitan.config.paths import resolve_path
+from torchtitan.datasets.hf_export import trained_chat_template
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.errors import CheckpointWriteError, os_error_behind
 from torchtitan.logging import logger
@@ -97,7 +98,7 @@ class CheckpointManager:
             "train_state": train_state,
             "rng": RNGState(),
         }
-        self.record = model_record(job_config.model)
+        self.record = model_record(job_config.model, trained_chat_template(job_config.model, job_config.chat))
         # checkpoint.last_save_in_hf: the model's arguments and where its export goes.
         self.model_args = getattr(parts[0], "model_args", None)
         self.hf_folder = hf_export_folder(job_config)

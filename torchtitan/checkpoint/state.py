@@ -132,13 +132,15 @@ def tokenizer_sha256(tokenizer_path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def model_record(model_config: ModelConfig) -> dict[str, str]:
+def model_record(model_config: ModelConfig, chat_template: str | None = None) -> dict[str, str]:
     """What every checkpoint records of the model it holds: the weights of models of the same shapes
     (llama2's and llama3's debug models, llama3's 8B and 3.1_8B) would load into one another silently,
-    and so would a model into a run with another tokenizer of the same vocabulary size."""
-    return {
+    and so would a model into a run with another tokenizer of the same vocabulary size. A chat run's
+    `chat_template` too (its source), which the model learnt to answer in: its export carries it."""
+    record = {
         "name": model_config.name,
         "flavor": model_config.flavor,
         "tokenizer_sha256": tokenizer_sha256(model_config.tokenizer_path),
         "tokenizer_path": model_config.tokenizer_path,  # as the job gave it: what an export copies
     }
+    return record if chat_template is None else {**record, "chat_template": chat_template}

@@ -5,7 +5,8 @@ of any decoder built on Llama's transformer.
 An adapter module has `MODEL_TYPE` (config.json's "model_type", by which convert_hf_to_dcp.py picks
 it), `to_hf(state_dict, model_args)`, `from_hf(state_dict, config)` and
 `hf_config(model_args, state_dict, max_position_embeddings, dtype)` (config.json, less
-"architectures": that is the spec's `hf_architecture`).
+"architectures": that is the spec's `hf_architecture`) and `hf_tensors(config, mtp_layers)` (every
+tensor a folder of that config.json holds: `expected_tensors`).
 """
 
 import re
@@ -130,3 +131,33 @@ def decoder_config(
         "tie_word_embeddings": model_args.tie_word_embeddings,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+
+
+# A decoder layer's norms and dense SwiGLU, as every family's files name them (after "model.layers.N.").
+LAYER_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
+DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+def expected_tensors(
+    config: dict,
+    layers: int,
+    attention: tuple[str, ...],
+    sparse: Callable[[int], bool] = lambda layer: False,
+    moe: tuple[str, ...] = (),
+    experts: int = 0,
+) -> list[str]:
+    """Every tensor a folder of `config` holds for the model (names after "model.layers.N." for the
+    per-layer ones): embeddings, final norm, the head unless tied, and each of `layers` layers' norms,
+    `attention`, and either the dense SwiGLU or, where `sparse(layer)`, the router's `moe` tensors and
+    `experts` experts' Linears. A reader checks a folder against it, so a missing tensor is named."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not config.get("tie_word_embeddings", False):
+        names.append("lm_head.weight")
+    for layer in range(layers):
+        own = [*LAYER_NORMS, *attention]
+        if sparse(layer):
+            own += [*moe, *(f"mlp.experts.{e}.{p}.weight" for e in range(experts) for p in EXPERTS.values())]
+        else:
+            own += DENSE_MLP
+        names += [f"model.layers.{layer}.{name}" for name in own]
+    return names

@@ -65,9 +65,11 @@ class ModelSpec:
     - `hf_adapter`: a module with `MODEL_TYPE` (config.json's "model_type"), `to_hf(state_dict,
       model_args)`, `from_hf(state_dict, hf_config)` and `hf_config(model_args, state_dict,
       max_position_embeddings, dtype)` (config.json less "architectures", `hf_architecture`), between
-      our parameter names and layout and the Hugging Face model's, and optionally `skipped(config)`,
-      the folder's tensors it has no place for, and `check_flavor(config, model_args, where)`, refusing
-      a folder whose config.json computes otherwise than the flavour (torchtitan/models/hf_convert.py)."""
+      our parameter names and layout and the Hugging Face model's, `hf_tensors(config, mtp_layers)`
+      (every tensor a folder of that config.json holds, which the reader requires), and optionally
+      `skipped(config)`, the folder's tensors it has no place for, and `check_flavor(config,
+      model_args, where)`, refusing a folder whose config.json computes otherwise than the flavour
+      (torchtitan/models/hf_convert.py)."""
 
     name: str
     flavors: Mapping[str, ModelArgs]

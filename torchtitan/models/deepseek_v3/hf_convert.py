@@ -21,7 +21,9 @@ import torch
 from torchtitan.config.options import ConfigError
 from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs
 from torchtitan.models.hf_convert import (
+    EXPERTS,
     decoder_config,
+    expected_tensors,
     experts_from_hf,
     experts_to_hf,
     from_hf_names,
@@ -111,6 +113,31 @@ def from_hf(state_dict: dict[str, torch.Tensor], config: dict) -> dict[str, torc
             depth = int(layer.group(1)) - n_layers
             converted[f"mtp.{depth}.block.{name[layer.end() :]}"] = converted.pop(name)
     return {**converted, **mtp}
+
+
+def hf_tensors(config: dict, mtp_layers: int = 0) -> list[str]:
+    """Every tensor a DeepseekV3ForCausalLM folder of `config` holds for a model of `mtp_layers` depths
+    (hf_reader.py refuses one missing): the kept depths' blocks and own tensors, not their copies of the
+    embeddings and head (which the model shares)."""
+    first, depths = config["num_hidden_layers"], min(config.get("num_nextn_predict_layers") or 0, mtp_layers)
+    q = ("q_proj",) if not config.get("q_lora_rank") else ("q_a_proj", "q_a_layernorm", "q_b_proj")
+    attention = (*q, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
+    moe = ["mlp.gate.weight", "mlp.gate.e_score_correction_bias"]
+    if config.get("n_shared_experts", 1):
+        moe += [f"mlp.shared_experts.{p}.weight" for p in EXPERTS.values()]
+    experts = config.get("n_routed_experts", 256)
+    dense = config.get("first_k_dense_replace", _HF_DEFAULTS["first_k_dense_replace"])
+    freq = config.get("moe_layer_freq") or 1
+
+    def sparse(layer: int) -> bool:
+        return experts > 0 and layer >= dense and layer % freq == 0
+
+    names = expected_tensors(
+        config, first + depths, tuple(f"self_attn.{a}.weight" for a in attention), sparse, tuple(moe), experts
+    )
+    return names + [
+        f"model.layers.{first + d}.{theirs}" for d in range(depths) for theirs in MTP_NAMES.values()
+    ]
 
 
 def skipped(config: dict, mtp_layers: int = 0) -> dict[re.Pattern, str]:

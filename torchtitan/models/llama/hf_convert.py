@@ -9,7 +9,13 @@ from collections.abc import Callable
 
 import torch
 
-from torchtitan.models.hf_convert import RowOrder, decoder_config, from_hf_names, to_hf_names
+from torchtitan.models.hf_convert import (
+    RowOrder,
+    decoder_config,
+    expected_tensors,
+    from_hf_names,
+    to_hf_names,
+)
 from torchtitan.models.llama import ModelArgs
 
 MODEL_TYPE = "llama"
@@ -95,3 +101,11 @@ def hf_config(
         "rope_scaling": dict(LLAMA3_ROPE_SCALING) if model_args.use_scaled_rope else None,
         "mlp_bias": False,
     }
+
+
+ATTENTION = tuple(f"self_attn.{p}_proj.weight" for p in "qkvo")
+
+
+def hf_tensors(config: dict, mtp_layers: int = 0) -> list[str]:
+    """Every tensor a LlamaForCausalLM folder of `config` holds (hf_reader.py refuses one missing)."""
+    return expected_tensors(config, config["num_hidden_layers"], ATTENTION)

@@ -13,11 +13,13 @@ import torch
 
 from torchtitan.models.hf_convert import (
     decoder_config,
+    expected_tensors,
     experts_from_hf,
     experts_to_hf,
     from_hf_names,
     to_hf_names,
 )
+from torchtitan.models.qwen3.hf_convert import ATTENTION
 from torchtitan.models.qwen3.hf_convert import NAMES as QWEN3_NAMES
 from torchtitan.models.qwen3_moe import Qwen3MoeModelArgs
 
@@ -65,3 +67,19 @@ def hf_config(
         "use_sliding_window": False,
         "sliding_window": None,
     }
+
+
+def hf_tensors(config: dict, mtp_layers: int = 0) -> list[str]:
+    """Every tensor a Qwen3MoeForCausalLM folder of `config` holds (hf_reader.py refuses one missing):
+    sparse layers as transformers places them (not in mlp_only_layers, every decoder_sparse_step-th)."""
+    # transformers 5 writes num_local_experts, the Hub's files num_experts (128: transformers' default).
+    experts = config.get("num_experts", config.get("num_local_experts", 128))
+    step = config.get("decoder_sparse_step") or 1
+    dense = set(config.get("mlp_only_layers") or [])
+
+    def sparse(layer: int) -> bool:
+        return experts > 0 and layer not in dense and (layer + 1) % step == 0
+
+    return expected_tensors(
+        config, config["num_hidden_layers"], ATTENTION, sparse, ("mlp.gate.weight",), experts
+    )
