@@ -137,7 +137,12 @@ def test_overflow_truncates_whole_turns_or_drops(hf_tok, caplog):
         assert dropping.encode(conversation) is None
         assert encoder(hf_tok, max_tokens=5).encode(conversation) is None  # not even one turn fits
     assert dropping.counts.counts == {"dropped as longer than training.seq_len": 1}
-    assert "1 conversation dropped as longer than training.seq_len so far" in caplog.text
+    assert "a conversation dropped as longer than training.seq_len (each counted once" in caplog.text
+    # Read again (another epoch, a resume), a conversation is counted and logged once.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="torchtitan"):
+        assert dropping.encode(conversation) is None
+    assert dropping.counts.counts == {"dropped as longer than training.seq_len": 1} and not caplog.text
 
 
 def test_refused_and_untrained_conversations_are_counted(hf_tok):
@@ -149,13 +154,13 @@ def test_refused_and_untrained_conversations_are_counted(hf_tok):
     refusing = encoder(hf_tok, last_only)
     assert refusing.encode(CONVERSATIONS[0]) is None
     assert refusing.counts.counts == {
-        "refused (a prefix render is not a token prefix of the whole render)": 1
+        "refused (the prompt before an assistant turn is not a token prefix of the turn's render)": 1
     }
     plain = encoder(hf_tok)
     assert plain.encode([SYSTEM, {"role": "user", "content": "No answer."}]) is None
     raising = encoder(hf_tok, "{{ raise_exception('roles must alternate') }}")
     assert raising.encode(CONVERSATIONS[0]) is None
-    assert plain.counts.counts == {"skipped (no trained token)": 1}
+    assert plain.counts.counts == {"skipped (no assistant turn)": 1}
     assert raising.counts.counts == {"refused by the chat template": 1}
 
 
