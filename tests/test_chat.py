@@ -288,3 +288,45 @@ def test_every_parallelism_takes_chat_data():
     ]
     for degree in ("tensor", "context", "pipeline"):
         check_layout(parse_args([*recipe, f"--parallelism.{degree}_parallel_degree", "2"]), 2)
+
+
+# Block tags as templates write them: own lines or inline, with and without whitespace control, the
+# generation tags inside or outside the assistant's branch.
+TEMPLATE_SHAPES = {
+    "inline": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
+    "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}\n{% else %}{{ m['content'] }}"
+    "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "own lines": "{% for m in messages %}\n<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}\n"
+    "    {% generation %}\n{{ m['content'] }}<|im_end|>\n    {% endgeneration %}\n{% else %}\n"
+    "{{ m['content'] }}<|im_end|>\n{% endif %}\n{% endfor %}\n{% if add_generation_prompt %}\n"
+    "<|im_start|>assistant\n{% endif %}\n",
+    "minus signs": "{%- for m in messages -%}\n{{- '<|im_start|>' + m['role'] + '\\n' -}}\n"
+    "{%- if m['role'] == 'assistant' -%}\n{%- generation -%}\n{{- m['content'] + '<|im_end|>' -}}\n"
+    "{%- endgeneration -%}\n{{- '\\n' -}}\n{%- else -%}\n{{- m['content'] + '<|im_end|>\\n' -}}\n"
+    "{%- endif -%}\n{%- endfor -%}\n{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% endif %}",
+    "bundled": TEMPLATE,
+}
+
+
+@pytest.mark.parametrize("tags", [True, False], ids=["with tags", "without tags"])
+@pytest.mark.parametrize("shape", list(TEMPLATE_SHAPES))
+def test_templates_render_transformers_ids(hf_tok, hf_chat_tokenizer, shape, tags):
+    """Every shape of block tags renders transformers' ids (its Jinja environment: trim_blocks,
+    lstrip_blocks, the generation extension), and the mask is transformers' assistant mask where tags
+    exist (found from prefix renders where not: the same tokens)."""
+    template = TEMPLATE_SHAPES[shape]
+    if not tags:
+        template = re.sub(r"\{%-? *(end)?generation *-?%\}", "", template)
+    tagged = TEMPLATE_SHAPES[shape]
+    for conversation in CONVERSATIONS:
+        expected = hf_chat_tokenizer.apply_chat_template(
+            conversation, chat_template=template, tokenize=True, return_dict=True
+        )["input_ids"]
+        ours = encoder(hf_tok, template).encode(conversation)
+        assert ours.ids == expected and ours.starts == (0,)
+        mask = hf_chat_tokenizer.apply_chat_template(
+            conversation, chat_template=tagged, return_dict=True, return_assistant_tokens_mask=True
+        )
+        if mask["input_ids"] == expected:  # removing the tags left the same text
+            assert [int(t) for t in ours.trained] == mask["assistant_masks"]
