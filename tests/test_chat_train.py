@@ -150,7 +150,47 @@ def test_bad_chat_input_is_one_line(tmp_path, capsys):
             "--training.dataset_path",
             chats(tmp_path / "ok.jsonl", good),
         ],
+        # Every cause of nothing to train, named before step 1 (the file named, not the default dataset).
+        f"training.dataset_path: Dataset '{tmp_path / 'ok.jsonl'}' has 1 documents, fewer than the 8 "
+        "sequences of a global batch": ["--training.dataset_path", str(tmp_path / "ok.jsonl")],
+        "training.dataset_path: no conversation dealt to row 0 of the global batch has a token to train on: "
+        "1 skipped .no assistant turn.: chat.loss_on assistant trains assistant turns; check the roles, or "
+        "set chat.loss_on all": [
+            *("--training.batch_size", "1", "--training.dataset_path"),
+            chats(tmp_path / "asks.jsonl", [{"messages": [{"role": "user", "content": "Hi"}]}]),
+        ],
+        "training.dataset_path: no conversation dealt to row 0 .* 1 dropped as longer than training.seq_len "
+        "8 under chat.overflow drop; set chat.overflow truncate or raise training.seq_len": [
+            *("--training.batch_size", "1", "--training.seq_len", "8", "--chat.overflow", "drop"),
+            *("--training.dataset_path", str(tmp_path / "ok.jsonl")),
+        ],
+        "1 dropped as longer than training.seq_len 8 under chat.overflow truncate .not even their first "
+        "assistant turn fits.; raise training.seq_len": [
+            *("--training.batch_size", "1", "--training.seq_len", "8"),
+            *("--training.dataset_path", str(tmp_path / "ok.jsonl")),
+        ],
+        "training.dataset_path: no conversation dealt to row 0 .* 1 refused .the prompt before an assistant "
+        "turn is not a token prefix of the turn's render.: the chat template .*last_only.jinja renders the "
+        "prompt before an assistant turn differently .* add \\{% generation %\\} tags": [
+            *("--model.tokenizer_path", plain, "--chat.template_path", str(tmp_path / "last_only.jinja")),
+            *("--training.batch_size", "1", "--training.dataset_path", str(tmp_path / "ok.jsonl")),
+        ],
+        f"training.dataset_path: {tmp_path / 'broken.jsonl'} line 3: not valid JSON": [
+            "--training.dataset_path",
+            str(tmp_path / "broken.jsonl"),
+        ],
+        f"training.mixture: source {tmp_path / 'asks.jsonl'}: no conversation dealt .*no assistant turn": [
+            *("--training.batch_size", "1", "--training.mixture"),
+            f"{tmp_path / 'ok.jsonl'}:1,{tmp_path / 'asks.jsonl'}:1",
+        ],
     }
+    (tmp_path / "broken.jsonl").write_text(json.dumps(good[0]) + "\n\n{oops\n")
+    # A template that shows the history only with a generation prompt: no render up to a turn starts
+    # with the render of its prompt.
+    (tmp_path / "last_only.jinja").write_text(
+        "{% for m in messages %}{% if loop.last or add_generation_prompt %}"
+        "{{ m['role'] + ': ' + m['content'] + '<|im_end|>' }}{% endif %}{% endfor %}"
+    )
     for i, (message, args) in enumerate(cases.items()):
         capsys.readouterr()
         assert run_train_in_process(*CHAT, *args, "--job.dump_folder", str(tmp_path / f"run{i}")) == 2, (
@@ -160,7 +200,7 @@ def test_bad_chat_input_is_one_line(tmp_path, capsys):
         line = err.split("error:")[-1]
         assert err.count("error:") == 1 and line.count("\n") == 1, err
         assert re.search(message, line), (message, line)
-        assert not (tmp_path / f"run{i}" / "metrics.jsonl").exists()
+        assert not (tmp_path / f"run{i}").exists() or not any((tmp_path / f"run{i}").iterdir())
 
 
 def test_show_data_marks_what_is_not_trained(capsys):

@@ -114,7 +114,7 @@ class ChatCounts:
         self.extra_tokens += extra_tokens
         if len(keys) == 1:
             logger.warning(
-                f"Chat data {self.name}: a conversation {kind} (each counted once; totals at each epoch's end)"
+                f"Chat data {self.name}: a conversation {kind} (each counted once; totals at epochs' ends)"
             )
 
     def summary(self) -> str:
@@ -177,22 +177,22 @@ class ChatEncoder:
         of the global batch with nothing to train."""
         template = f"the chat template {self.template.origin}"
         fixes = {
-            REFUSED: f"{template} raised ({self.refusal})",
-            UNMASKABLE: f"{template} renders the prompt before an assistant turn differently from the turn "
-            "itself, so the turn's tokens cannot be told; add {% generation %} tags around its assistant "
-            "turns or set chat.loss_on all",
-            NO_ASSISTANT: f"chat.loss_on {self.loss_on} trains assistant turns; check the roles, or set "
+            REFUSED: f" ({self.refusal})",
+            UNMASKABLE: f": {template} renders the prompt before an assistant turn differently from the "
+            "turn itself, so the turn's tokens cannot be told; add {% generation %} tags around its "
+            "assistant turns or set chat.loss_on all",
+            NO_ASSISTANT: f": chat.loss_on {self.loss_on} trains assistant turns; check the roles, or set "
             "chat.loss_on all",
-            NO_TOKEN: f"{template} renders their assistant turns as no token",
-            DROPPED: f"longer than training.seq_len {self.max_tokens} under chat.overflow {self.overflow}"
+            NO_TOKEN: f": {template} renders their assistant turns as no token",
+            DROPPED: f" {self.max_tokens} under chat.overflow {self.overflow}"
             + (
                 "; set chat.overflow truncate or raise training.seq_len"
                 if self.overflow == "drop"
-                else " (not even the first assistant turn fits); raise training.seq_len"
+                else " (not even their first assistant turn fits); raise training.seq_len"
             ),
         }
         counts = self.counts.counts
-        found = [f"{counts[kind]} {kind}: {fix}" for kind, fix in fixes.items() if counts.get(kind)]
+        found = [f"{counts[kind]} {kind}{fix}" for kind, fix in fixes.items() if counts.get(kind)]
         return "; ".join(found) or "none of its conversations is kept"
 
     def _render(

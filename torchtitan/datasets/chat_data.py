@@ -23,7 +23,13 @@ from torchtitan.datasets.chat_template import load_chat_template
 from torchtitan.datasets.hf_tokenizer import HFTokenizer
 from torchtitan.datasets.layout import IGNORE_INDEX, Batch, BatchLayout
 from torchtitan.datasets.pretokenized import is_pretokenized, read_manifest
-from torchtitan.datasets.sources import load_rows, quiet_progress_bars, resolve_data_path
+from torchtitan.datasets.sources import (
+    load_rows,
+    quiet_progress_bars,
+    resolve_data_path,
+    row_location,
+    source_files,
+)
 from torchtitan.datasets.streams import MapDocuments, StreamingDocuments, TextStreams
 from torchtitan.datasets.text import TextDataset
 from torchtitan.errors import bad_input
@@ -38,8 +44,17 @@ def load_chat_dataset(
     ds, _ = load_rows(dataset_name, dataset_path, split)
     columns = ds.column_names or list(next(iter(ds)))  # a streamed dataset may not know its columns
     fmt = detect_format(columns, fmt)
+
+    def conversation(row: dict[str, Any], i: int) -> dict[str, str]:
+        try:
+            return {"text": json.dumps(to_messages(row, fmt))}
+        except ValueError as e:  # named by file and line (found only then: it reads the files again)
+            raise ValueError(
+                f"{row_location(source_files(dataset_name, dataset_path, split), i)}: {e}"
+            ) from None
+
     with quiet_progress_bars():
-        return ds.map(lambda row: {"text": json.dumps(to_messages(row, fmt))}, remove_columns=columns)
+        return ds.map(conversation, with_indices=True, remove_columns=columns)
 
 
 class ChatStream:
