@@ -213,9 +213,10 @@ def test_show_data_marks_what_is_not_trained(capsys):
         assert IGNORE_INDEX in row["labels"] and any(label != IGNORE_INDEX for label in row["labels"])
     assert show_data.main([*recipe, "--rows", "1"]) == 0
     text = capsys.readouterr().out
+    assert text.startswith("Legend: ⟦between these marks⟧ the tokens that are no target of the loss")
     assert "⟦<|im_start|>system\n" in text and "assistant\n⟧In the beginning" in text
     assert show_data.main(["--training.seq_len", "16", "--rows", "1"]) == 0  # text data: every token
-    assert capsys.readouterr().out.count("⟦") == 1
+    assert capsys.readouterr().out.count("⟦") == 2  # the legend's and the row's first token
 
 
 def test_pretokenized_chat_shards_train_the_streamed_losses(tmp_path, capsys):
@@ -267,6 +268,14 @@ def test_pretokenized_chat_shards_train_the_streamed_losses(tmp_path, capsys):
         r"\(the job: 256\); re-run scripts/pretokenize.py",
         capsys.readouterr().err,
     )
+    # Without chat.enable the folder's masks would be ignored: refused.
+    argv = [*streamed, "--training.dataset_path", str(shards), "--chat.enable", "false"]
+    assert run_train_in_process(*argv, "--job.dump_folder", str(tmp_path / "plain")) == 2
+    assert capsys.readouterr().err.endswith(
+        f"error: training.dataset_path: {shards} holds pre-tokenized conversations (written with "
+        "chat.enable): set chat.enable = true to train them with their loss masks\n"
+    )
+    assert not (tmp_path / "plain").exists() or not any((tmp_path / "plain").iterdir())
 
 
 def test_mixtures_of_chat_sources(tmp_path):
