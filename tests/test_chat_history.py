@@ -18,6 +18,7 @@ from test_data import merged_state  # noqa: E402
 
 from torchtitan.datasets.chat import PER_TURN, ChatEncoder  # noqa: E402
 from torchtitan.datasets.chat_data import ChatDataset, load_chat_dataset  # noqa: E402
+from torchtitan.datasets.chat_shards import PretokenizedChats, pretokenize_chats  # noqa: E402
 from torchtitan.datasets.chat_template import ChatTemplate  # noqa: E402
 from torchtitan.datasets.layout import IGNORE_INDEX, BatchLayout  # noqa: E402
 from torchtitan.datasets.loader import DataLoader  # noqa: E402
@@ -219,3 +220,17 @@ def _mid(loader: DataLoader) -> bool:
     """The loader's stream is between two samples of one conversation."""
     (streams,) = loader.state_dict()["dataset_state"].values()
     return int(streams["stream_0"][2]) > 0
+
+
+def test_pretokenized_conversations_keep_their_samples(hf_tok, tmp_path):
+    """A pre-tokenized chat folder holds each conversation's samples as written (their starts in bit 1
+    of the trained bytes): read back, the same samples as encoding the conversation."""
+    encoding = encoder(hf_tok, QWEN3)
+    texts = [json.dumps(c) for c in CONVERSATIONS]
+    manifest = pretokenize_chats(
+        iter([texts[:2], texts[2:]]), encoding, str(FOLDER / "tokenizer.json"), 2003, tmp_path / "out", {}
+    )
+    chats = PretokenizedChats("out", tmp_path / "out", manifest, encoding, 1)
+    for i, conversation in enumerate(CONVERSATIONS):
+        assert chats.encode_document(i) == encoding.encode(conversation)
+    assert [len(chats.encode_document(i).samples()) for i in range(3)] == [3, 2, 1]
