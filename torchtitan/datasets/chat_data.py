@@ -2,11 +2,12 @@
 
 Conversations are dealt to the rows of the global batch as text documents are (streams.py: conversation i
 to stream ``i % S``), so global row j of step k is the same whatever the data-parallel layout, and a
-stream's state (epoch, conversation, windows taken) resumes it. Unlike text, a conversation is never cut
-across windows: each window holds whole conversations, in order, until the next one does not fit, and the
-rest is padding. Each conversation is a document: its tokens' positions count from 0, the label of its
-last token and of padding is -100 (IGNORE_INDEX: no loss), as is every label that chat.loss_on does not
-train, so that no target crosses a conversation.
+stream's state (epoch, conversation, sample, windows taken) resumes it. Unlike text, a sample (a whole
+conversation, or one assistant turn's render where the template re-renders history: chat.py) is never cut
+across windows: each window holds whole samples, in order, until the next one does not fit, and the rest
+is padding. Each sample is a document: its tokens' positions count from 0, the label of its last token
+and of padding is -100 (IGNORE_INDEX: no loss), as is every label that chat.loss_on does not train, so
+that no target crosses a sample.
 """
 
 import json
@@ -170,7 +171,7 @@ class ChatStreams(TextStreams):
 
     def _on_epoch(self, epoch: int) -> None:
         if epoch > self._warned_epoch and (counts := getattr(self._tokenizer, "counts", None)):
-            logger.info(f"{counts.summary()} (epoch {epoch - 1})")
+            logger.info(f"{counts.summary()} (distinct conversations, to epoch {epoch - 1}'s end)")
         super()._on_epoch(epoch)
 
     def check_trainable(self) -> None:
@@ -221,7 +222,7 @@ def build_chat_dataset(
     global batch is dealt a conversation to train."""
     label = dataset_path or dataset_name  # what the logs and errors name
     encoder = chat_encoder(chat, tokenizer, seq_len)
-    encoder.counts.name = label
+    encoder.counts.name = label if section == "training" else f"{label} ({section})"
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
     option = f"{section}.dataset_path" if dataset_path else f"{section}.dataset"
     with bad_input(option):
