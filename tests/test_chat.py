@@ -330,3 +330,32 @@ def test_templates_render_transformers_ids(hf_tok, hf_chat_tokenizer, shape, tag
         )
         if mask["input_ids"] == expected:  # removing the tags left the same text
             assert [int(t) for t in ours.trained] == mask["assistant_masks"]
+
+
+def test_a_warning_counted_once_per_conversation_and_summed_up_each_epoch(hf_tok, tmp_path, caplog):
+    """One over-long conversation read again every epoch: one warning naming the data, then one line of
+    totals per epoch (not one warning per reading); the data trained on is named."""
+    path = tmp_path / "mine.jsonl"
+    rows = [*([SYSTEM, *turn(f"Question {i}?", "Amen.")] for i in range(7))]
+    rows.append([SYSTEM, *turn("Long?", "and it came to pass " * 60)])
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in rows))
+    chat = ChatConfig(enable=True, overflow="drop")
+    with caplog.at_level(logging.INFO, logger="torchtitan"):
+        dataset = build_chat_dataset(chat, "kjv_chat", str(path), hf_tok, SEQ_LEN, BatchLayout(2))
+        for _ in zip(DataLoader(dataset, 2, 0), range(20)):
+            pass
+    warnings = [r.message for r in caplog.records if r.levelno == logging.WARNING and "dropped" in r.message]
+    assert warnings == [
+        f"Chat data {path}: a conversation dropped as longer than training.seq_len (each counted once; "
+        "totals at epochs' ends)"
+    ]
+    summaries = [r.message for r in caplog.records if "distinct conversations" in r.message]
+    epochs = [r.message for r in caplog.records if "re-looped" in r.message]
+    # One line per epoch that every stream of the rank has ended (the streams' epochs drift apart).
+    ended = [int(re.search(r"to epoch (\d+)'s end", m).group(1)) for m in summaries]
+    assert ended == list(range(len(summaries))) and 3 <= len(summaries) <= len(epochs)
+    assert all(str(path) in m for m in epochs)
+    assert all(
+        m.startswith(f"Chat data {path}: 1 dropped as longer than training.seq_len") for m in summaries
+    )
+    assert f"Chat data for training: {path}" in caplog.text and "kjv_chat" not in caplog.text

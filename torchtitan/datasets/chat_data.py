@@ -165,14 +165,19 @@ class ChatStreams(TextStreams):
         super().__init__(name, ds, encoder, window, num_streams, rows)
         # The chat streams' own state (ChatStream's): saved under a key of their own.
         self.state_key = f"chat_global_batch_{num_streams}"
+        self._summed_epoch = 0
 
     def _make_stream(self, index: int, encoder: ChatEncoder, window: int) -> ChatStream:
         return ChatStream(index, self.documents, encoder, window, self._pad_id, self._on_epoch)
 
     def _on_epoch(self, epoch: int) -> None:
-        if epoch > self._warned_epoch and (counts := getattr(self._tokenizer, "counts", None)):
-            logger.info(f"{counts.summary()} (distinct conversations, to epoch {epoch - 1}'s end)")
+        """The new epoch's warning (the first stream's); the totals once each of this rank's streams
+        has ended an epoch."""
         super()._on_epoch(epoch)
+        ended = min(stream.epoch for stream in self.streams.values())
+        if ended > self._summed_epoch and (counts := getattr(self._tokenizer, "counts", None)):
+            self._summed_epoch = ended
+            logger.info(f"{counts.summary()} (distinct conversations, to epoch {ended - 1}'s end)")
 
     def check_trainable(self) -> None:
         """Before training: each of this rank's rows has a conversation to train (else a ValueError
