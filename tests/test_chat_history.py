@@ -104,7 +104,8 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def hf_chat_tokenizer():
-    return transformers.AutoTokenizer.from_pretrained(FOLDER)
+    """transformers' fast tokenizer on the bundled Qwen3-style tokenizer.json (the oracle)."""
+    return transformers.PreTrainedTokenizerFast(tokenizer_file=str(FOLDER / "tokenizer.json"))
 
 
 def encoder(hf_tok, template: str, max_tokens: int = 10_000, loss_on: str = "assistant") -> ChatEncoder:
