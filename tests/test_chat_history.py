@@ -29,8 +29,9 @@ pytestmark = pytest.mark.usefixtures("hf_cache")
 FOLDER = Path(__file__).resolve().parents[1] / "assets" / "tokenizer" / "kjv_bpe_hf"
 
 # Modelled on Qwen3's published chat template (its tool branches left out): the last user query is
-# found from the end; an assistant turn after it shows its reasoning, parsed out of its content, in a
-# <think> block (the last turn always, empty reasoning included); earlier ones show their answer only.
+# found from the end; an assistant turn after it shows its reasoning (its reasoning_content, else parsed
+# out of its content) in a <think> block (the last turn always, empty reasoning included); earlier ones
+# show their answer only.
 QWEN3 = """\
 {%- if messages[0].role == 'system' %}
     {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
@@ -49,7 +50,9 @@ QWEN3 = """\
         {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}
     {%- elif message.role == "assistant" %}
         {%- set reasoning_content = '' %}
-        {%- if '</think>' in content %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- elif '</think>' in content %}
             {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n') %}
             {%- set reasoning_content = reasoning_content.split('<think>')[-1].lstrip('\\n') %}
             {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
@@ -235,3 +238,26 @@ def test_pretokenized_conversations_keep_their_samples(hf_tok, tmp_path):
     for i, conversation in enumerate(CONVERSATIONS):
         assert chats.encode_document(i) == encoding.encode(conversation)
     assert [len(chats.encode_document(i).samples()) for i in range(3)] == [3, 2, 1]
+
+
+def test_reasoning_in_a_field_of_its_own(hf_tok, hf_chat_tokenizer, tmp_path):
+    """A message's reasoning given apart (reasoning_content, or thinking/reasoning as transformers
+    aliases them) reaches the template: the samples are transformers' renders of the same rows."""
+    rows = [
+        [
+            user("Who begat Enos?"),
+            {"role": "assistant", "content": "Seth.", "reasoning_content": "Gen 4:26."},
+        ],
+        [user("And then?"), {"role": "assistant", "content": "Enos begat Cainan.", "thinking": "Gen 5:9."}],
+    ]
+    conversation = [*rows[0], *rows[1]]
+    path = tmp_path / "reasoning.jsonl"
+    path.write_text(json.dumps({"messages": conversation}) + "\n")
+    (text,) = load_chat_dataset("mine", str(path), "train", "auto")["text"]
+    samples = encoder(hf_tok, QWEN3).encode(json.loads(text)).samples()
+    assert [s.ids for s in samples] == [
+        hf_ids(hf_chat_tokenizer, conversation[:2], QWEN3),
+        hf_ids(hf_chat_tokenizer, conversation, QWEN3),
+    ]
+    assert "<think>\nGen 4:26.\n</think>" in hf_chat_tokenizer.decode(samples[0].ids)
+    assert "<think>\nGen 5:9.\n</think>" in hf_chat_tokenizer.decode(samples[1].ids)

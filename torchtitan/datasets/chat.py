@@ -54,12 +54,21 @@ def detect_format(columns: list[str], fmt: str) -> str:
     )
 
 
-def _message(role: Any, content: Any, where: str) -> dict[str, str]:
+# Where a message may hold its reasoning, the first the name templates read (Qwen3's, DeepSeek's):
+# transformers' apply_chat_template passes it under that name whichever the data uses.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _message(role: Any, content: Any, where: str, turn: dict[str, Any] | None = None) -> dict[str, str]:
     if role not in ROLES:
         raise ValueError(f"{where}: unknown role {role!r} (roles: {', '.join(ROLES)})")
     if not isinstance(content, str):
         raise ValueError(f"{where}: a {role} message's content must be text, got {type(content).__name__}")
-    return {"role": role, "content": content}
+    message = {"role": role, "content": content}
+    reasoning = next((turn[k] for k in REASONING_FIELDS if isinstance((turn or {}).get(k), str)), None)
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    return message
 
 
 def to_messages(row: dict[str, Any], fmt: str) -> Messages:
@@ -73,7 +82,7 @@ def to_messages(row: dict[str, Any], fmt: str) -> Messages:
             f"chat.format {fmt}: a conversation must be a non-empty list of messages, got {turns!r}"
         )
     if fmt == "messages":
-        return [_message(t.get("role"), t.get("content"), "messages") for t in turns]
+        return [_message(t.get("role"), t.get("content"), "messages", t) for t in turns]
     return [
         _message(SHAREGPT_ROLES.get(t.get("from"), t.get("from")), t.get("value"), "sharegpt") for t in turns
     ]
