@@ -130,7 +130,7 @@ class ChatCounts:
         """One line: every kind's count so far."""
         parts = [f"{n} {kind}" for kind, n in self.counts.items()]
         if PER_TURN in self.seen:
-            parts.append(f"their samples {self.extra_tokens:,} tokens more than one render each")
+            parts.append(f"per-turn samples costing {self.extra_tokens:,} tokens beyond one render of each")
         return f"Chat data {self.name}: {', '.join(parts) or 'every conversation trained whole'}"
 
 
