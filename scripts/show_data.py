@@ -67,6 +67,13 @@ def first_batch(
     return tokenizer, inputs, labels, torch.arange(inputs.shape[1]).expand_as(inputs)
 
 
+LEGEND = (
+    "Legend: ⟦between these marks⟧ the tokens that are no target of the loss (label -100: a document's "
+    "first token, prompts, system and user turns, padding); the rest are trained on, each the target of "
+    "the token before it."
+)
+
+
 def marked(tokenizer: AnyTokenizer, inputs: list[int], labels: list[int]) -> str:
     """The row's text, the tokens that are no target (the first one, and those whose label before them is
     -100) between ⟦ ⟧."""
@@ -86,6 +93,8 @@ def run(argv: list[str]) -> int:
         return 0
     args, job_argv = parser.parse_known_args(argv)
     tokenizer, inputs, labels, positions = first_batch(job_argv, args.nproc)
+    if not args.json:
+        print(LEGEND)
     for row in range(min(args.rows, inputs.shape[0])):
         ids, targets, places = inputs[row].tolist(), labels[row].tolist(), positions[row].tolist()
         if args.json:

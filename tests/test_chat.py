@@ -137,7 +137,12 @@ def test_overflow_truncates_whole_turns_or_drops(hf_tok, caplog):
         assert dropping.encode(conversation) is None
         assert encoder(hf_tok, max_tokens=5).encode(conversation) is None  # not even one turn fits
     assert dropping.counts.counts == {"dropped as longer than training.seq_len": 1}
-    assert "1 conversation dropped as longer than training.seq_len so far" in caplog.text
+    assert "a conversation dropped as longer than training.seq_len (each counted once" in caplog.text
+    # Read again (another epoch, a resume), a conversation is counted and logged once.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="torchtitan"):
+        assert dropping.encode(conversation) is None
+    assert dropping.counts.counts == {"dropped as longer than training.seq_len": 1} and not caplog.text
 
 
 def test_refused_and_untrained_conversations_are_counted(hf_tok):
@@ -149,13 +154,13 @@ def test_refused_and_untrained_conversations_are_counted(hf_tok):
     refusing = encoder(hf_tok, last_only)
     assert refusing.encode(CONVERSATIONS[0]) is None
     assert refusing.counts.counts == {
-        "refused (a prefix render is not a token prefix of the whole render)": 1
+        "refused (the prompt before an assistant turn is not a token prefix of the turn's render)": 1
     }
     plain = encoder(hf_tok)
     assert plain.encode([SYSTEM, {"role": "user", "content": "No answer."}]) is None
     raising = encoder(hf_tok, "{{ raise_exception('roles must alternate') }}")
     assert raising.encode(CONVERSATIONS[0]) is None
-    assert plain.counts.counts == {"skipped (no trained token)": 1}
+    assert plain.counts.counts == {"skipped (no assistant turn)": 1}
     assert raising.counts.counts == {"refused by the chat template": 1}
 
 
@@ -283,3 +288,74 @@ def test_every_parallelism_takes_chat_data():
     ]
     for degree in ("tensor", "context", "pipeline"):
         check_layout(parse_args([*recipe, f"--parallelism.{degree}_parallel_degree", "2"]), 2)
+
+
+# Block tags as templates write them: own lines or inline, with and without whitespace control, the
+# generation tags inside or outside the assistant's branch.
+TEMPLATE_SHAPES = {
+    "inline": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
+    "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}\n{% else %}{{ m['content'] }}"
+    "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "own lines": "{% for m in messages %}\n<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}\n"
+    "    {% generation %}\n{{ m['content'] }}<|im_end|>\n    {% endgeneration %}\n{% else %}\n"
+    "{{ m['content'] }}<|im_end|>\n{% endif %}\n{% endfor %}\n{% if add_generation_prompt %}\n"
+    "<|im_start|>assistant\n{% endif %}\n",
+    "minus signs": "{%- for m in messages -%}\n{{- '<|im_start|>' + m['role'] + '\\n' -}}\n"
+    "{%- if m['role'] == 'assistant' -%}\n{%- generation -%}\n{{- m['content'] + '<|im_end|>' -}}\n"
+    "{%- endgeneration -%}\n{{- '\\n' -}}\n{%- else -%}\n{{- m['content'] + '<|im_end|>\\n' -}}\n"
+    "{%- endif -%}\n{%- endfor -%}\n{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% endif %}",
+    "bundled": TEMPLATE,
+}
+
+
+@pytest.mark.parametrize("tags", [True, False], ids=["with tags", "without tags"])
+@pytest.mark.parametrize("shape", list(TEMPLATE_SHAPES))
+def test_templates_render_transformers_ids(hf_tok, hf_chat_tokenizer, shape, tags):
+    """Every shape of block tags renders transformers' ids (its Jinja environment: trim_blocks,
+    lstrip_blocks, the generation extension), and the mask is transformers' assistant mask where tags
+    exist (found from prefix renders where not: the same tokens)."""
+    template = TEMPLATE_SHAPES[shape]
+    if not tags:
+        template = re.sub(r"\{%-? *(end)?generation *-?%\}", "", template)
+    tagged = TEMPLATE_SHAPES[shape]
+    for conversation in CONVERSATIONS:
+        expected = hf_chat_tokenizer.apply_chat_template(
+            conversation, chat_template=template, tokenize=True, return_dict=True
+        )["input_ids"]
+        ours = encoder(hf_tok, template).encode(conversation)
+        assert ours.ids == expected and ours.starts == (0,)
+        mask = hf_chat_tokenizer.apply_chat_template(
+            conversation, chat_template=tagged, return_dict=True, return_assistant_tokens_mask=True
+        )
+        if mask["input_ids"] == expected:  # removing the tags left the same text
+            assert [int(t) for t in ours.trained] == mask["assistant_masks"]
+
+
+def test_a_warning_counted_once_per_conversation_and_summed_up_each_epoch(hf_tok, tmp_path, caplog):
+    """One over-long conversation read again every epoch: one warning naming the data, then one line of
+    totals per epoch (not one warning per reading); the data trained on is named."""
+    path = tmp_path / "mine.jsonl"
+    rows = [*([SYSTEM, *turn(f"Question {i}?", "Amen.")] for i in range(7))]
+    rows.append([SYSTEM, *turn("Long?", "and it came to pass " * 60)])
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in rows))
+    chat = ChatConfig(enable=True, overflow="drop")
+    with caplog.at_level(logging.INFO, logger="torchtitan"):
+        dataset = build_chat_dataset(chat, "kjv_chat", str(path), hf_tok, SEQ_LEN, BatchLayout(2))
+        for _ in zip(DataLoader(dataset, 2, 0), range(20)):
+            pass
+    warnings = [r.message for r in caplog.records if r.levelno == logging.WARNING and "dropped" in r.message]
+    assert warnings == [
+        f"Chat data {path}: a conversation dropped as longer than training.seq_len (each counted once; "
+        "totals at epochs' ends)"
+    ]
+    summaries = [r.message for r in caplog.records if "distinct conversations" in r.message]
+    epochs = [r.message for r in caplog.records if "re-looped" in r.message]
+    # One line per epoch that every stream of the rank has ended (the streams' epochs drift apart).
+    ended = [int(re.search(r"to epoch (\d+)'s end", m).group(1)) for m in summaries]
+    assert ended == list(range(len(summaries))) and 3 <= len(summaries) <= len(epochs)
+    assert all(str(path) in m for m in epochs)
+    assert all(
+        m.startswith(f"Chat data {path}: 1 dropped as longer than training.seq_len") for m in summaries
+    )
+    assert f"Chat data for training: {path}" in caplog.text and "kjv_chat" not in caplog.text

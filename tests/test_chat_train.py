@@ -150,7 +150,47 @@ def test_bad_chat_input_is_one_line(tmp_path, capsys):
             "--training.dataset_path",
             chats(tmp_path / "ok.jsonl", good),
         ],
+        # Every cause of nothing to train, named before step 1 (the file named, not the default dataset).
+        f"training.dataset_path: Dataset '{tmp_path / 'ok.jsonl'}' has 1 documents, fewer than the 8 "
+        "sequences of a global batch": ["--training.dataset_path", str(tmp_path / "ok.jsonl")],
+        "training.dataset_path: no conversation dealt to row 0 of the global batch has a token to train on: "
+        "1 skipped .no assistant turn.: chat.loss_on assistant trains assistant turns; check the roles, or "
+        "set chat.loss_on all": [
+            *("--training.batch_size", "1", "--training.dataset_path"),
+            chats(tmp_path / "asks.jsonl", [{"messages": [{"role": "user", "content": "Hi"}]}]),
+        ],
+        "training.dataset_path: no conversation dealt to row 0 .* 1 dropped as longer than training.seq_len "
+        "8 under chat.overflow drop; set chat.overflow truncate or raise training.seq_len": [
+            *("--training.batch_size", "1", "--training.seq_len", "8", "--chat.overflow", "drop"),
+            *("--training.dataset_path", str(tmp_path / "ok.jsonl")),
+        ],
+        "1 dropped as longer than training.seq_len 8 under chat.overflow truncate .not even their first "
+        "assistant turn fits.; raise training.seq_len": [
+            *("--training.batch_size", "1", "--training.seq_len", "8"),
+            *("--training.dataset_path", str(tmp_path / "ok.jsonl")),
+        ],
+        "training.dataset_path: no conversation dealt to row 0 .* 1 refused .the prompt before an assistant "
+        "turn is not a token prefix of the turn's render.: the chat template .*last_only.jinja renders the "
+        "prompt before an assistant turn differently .* add \\{% generation %\\} tags": [
+            *("--model.tokenizer_path", plain, "--chat.template_path", str(tmp_path / "last_only.jinja")),
+            *("--training.batch_size", "1", "--training.dataset_path", str(tmp_path / "ok.jsonl")),
+        ],
+        f"training.dataset_path: {tmp_path / 'broken.jsonl'} line 3: not valid JSON": [
+            "--training.dataset_path",
+            str(tmp_path / "broken.jsonl"),
+        ],
+        f"training.mixture: source {tmp_path / 'asks.jsonl'}: no conversation dealt .*no assistant turn": [
+            *("--training.batch_size", "1", "--training.mixture"),
+            f"{tmp_path / 'ok.jsonl'}:1,{tmp_path / 'asks.jsonl'}:1",
+        ],
     }
+    (tmp_path / "broken.jsonl").write_text(json.dumps(good[0]) + "\n\n{oops\n")
+    # A template that shows the history only with a generation prompt: no render up to a turn starts
+    # with the render of its prompt.
+    (tmp_path / "last_only.jinja").write_text(
+        "{% for m in messages %}{% if loop.last or add_generation_prompt %}"
+        "{{ m['role'] + ': ' + m['content'] + '<|im_end|>' }}{% endif %}{% endfor %}"
+    )
     for i, (message, args) in enumerate(cases.items()):
         capsys.readouterr()
         assert run_train_in_process(*CHAT, *args, "--job.dump_folder", str(tmp_path / f"run{i}")) == 2, (
@@ -160,7 +200,7 @@ def test_bad_chat_input_is_one_line(tmp_path, capsys):
         line = err.split("error:")[-1]
         assert err.count("error:") == 1 and line.count("\n") == 1, err
         assert re.search(message, line), (message, line)
-        assert not (tmp_path / f"run{i}" / "metrics.jsonl").exists()
+        assert not (tmp_path / f"run{i}").exists() or not any((tmp_path / f"run{i}").iterdir())
 
 
 def test_show_data_marks_what_is_not_trained(capsys):
@@ -173,9 +213,10 @@ def test_show_data_marks_what_is_not_trained(capsys):
         assert IGNORE_INDEX in row["labels"] and any(label != IGNORE_INDEX for label in row["labels"])
     assert show_data.main([*recipe, "--rows", "1"]) == 0
     text = capsys.readouterr().out
+    assert text.startswith("Legend: ⟦between these marks⟧ the tokens that are no target of the loss")
     assert "⟦<|im_start|>system\n" in text and "assistant\n⟧In the beginning" in text
     assert show_data.main(["--training.seq_len", "16", "--rows", "1"]) == 0  # text data: every token
-    assert capsys.readouterr().out.count("⟦") == 1
+    assert capsys.readouterr().out.count("⟦") == 2  # the legend's and the row's first token
 
 
 def test_pretokenized_chat_shards_train_the_streamed_losses(tmp_path, capsys):
@@ -227,6 +268,14 @@ def test_pretokenized_chat_shards_train_the_streamed_losses(tmp_path, capsys):
         r"\(the job: 256\); re-run scripts/pretokenize.py",
         capsys.readouterr().err,
     )
+    # Without chat.enable the folder's masks would be ignored: refused.
+    argv = [*streamed, "--training.dataset_path", str(shards), "--chat.enable", "false"]
+    assert run_train_in_process(*argv, "--job.dump_folder", str(tmp_path / "plain")) == 2
+    assert capsys.readouterr().err.endswith(
+        f"error: training.dataset_path: {shards} holds pre-tokenized conversations (written with "
+        "chat.enable): set chat.enable = true to train them with their loss masks\n"
+    )
+    assert not (tmp_path / "plain").exists() or not any((tmp_path / "plain").iterdir())
 
 
 def test_mixtures_of_chat_sources(tmp_path):

@@ -3,6 +3,7 @@ picked from where the data is; every kind lays its rows out as layout.py says.""
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from torchtitan.config.options import ChatConfig, TrainingConfig
@@ -52,7 +53,7 @@ def _mixture_source(
 ) -> Source:
     """Mixture source `name`: a registered name, else a path (pre-tokenized folder, or text files)."""
     if name not in DATASETS and is_pretokenized(folder := resolve_data_path(name)):
-        manifest = read_manifest(folder, tokenizer.model_path, vocab_size or tokenizer.n_words)
+        manifest = _text_manifest(folder, tokenizer, vocab_size)
         windows = TokenWindows(folder, manifest, seq_len + 1)
         reader = PretokenizedSource(name, windows, source.seed, source.shuffle)
         return Source(name, weight, reader, windows.contents())
@@ -60,6 +61,18 @@ def _mixture_source(
     ds = load_text_dataset(name, path, source.split)
     reader = TextSource(name, ds, tokenizer, seq_len + 1, layout.global_batch, layout.rows())
     return Source(name, weight, reader, file_stats(source_files(name, path, source.split)))
+
+
+def _text_manifest(folder: Path, tokenizer: TextTokenizer, vocab_size: int | None) -> dict[str, Any]:
+    """A pre-tokenized folder's manifest, refused where it holds conversations: their masks and
+    samples are read only with chat.enable."""
+    manifest = read_manifest(folder, tokenizer.model_path, vocab_size or tokenizer.n_words)
+    if "chat" in manifest:
+        raise ValueError(
+            f"{folder} holds pre-tokenized conversations (written with chat.enable): set chat.enable = true "
+            "to train them with their loss masks"
+        )
+    return manifest
 
 
 def _mixture(sources: list[Source], seq_len: int, layout: BatchLayout, seed: int) -> MixtureDataset:
@@ -93,7 +106,7 @@ def build_dataset(
         ]
         return _mixture(sources, seq_len, layout, source.seed)
     if source.path is not None and is_pretokenized(folder := resolve_data_path(source.path)):
-        manifest = read_manifest(folder, tokenizer.model_path, vocab_size or tokenizer.n_words)
+        manifest = _text_manifest(folder, tokenizer, vocab_size)
         return PretokenizedDataset(
             folder, manifest, seq_len, layout, infinite=infinite, seed=source.seed, shuffle=source.shuffle
         )
@@ -117,20 +130,25 @@ def _chat_mixture(
 ) -> MixtureDataset:
     """A mixture of conversations (every source a chat source: registered, local files, or a pre-tokenized
     chat folder), its rows windows of whole conversations."""
-    encoder = chat_encoder(chat, tokenizer, seq_len)
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
     sources = []
     for name, weight in source.mixture:
+        encoder = chat_encoder(chat, tokenizer, seq_len)
+        encoder.counts.name = name  # each source's conversations counted, and named, apart
         path = None if name in DATASETS else name
-        if path is not None and is_pretokenized(folder := resolve_data_path(path)):
-            manifest = read_manifest(folder, tokenizer.model_path, tokenizer.n_words)
-            ds: Any = PretokenizedChats(name, folder, manifest, encoder, layout.global_batch)
-            contents = "\n".join(f"{shard['tokens']} {shard['crc32']}" for shard in manifest["shards"])
-            reader = ChatSource(name, ds, ds, seq_len, pad_id, layout.global_batch, layout.rows())
-        else:
-            ds = load_chat_dataset(name, path, source.split, chat.format)
-            contents = file_stats(source_files(name, path, source.split))
-            reader = ChatSource(name, ds, encoder, seq_len, pad_id, layout.global_batch, layout.rows())
+        try:
+            if path is not None and is_pretokenized(folder := resolve_data_path(path)):
+                manifest = read_manifest(folder, tokenizer.model_path, tokenizer.n_words)
+                ds: Any = PretokenizedChats(name, folder, manifest, encoder, layout.global_batch)
+                contents = "\n".join(f"{shard['tokens']} {shard['crc32']}" for shard in manifest["shards"])
+                reader = ChatSource(name, ds, ds, seq_len, pad_id, layout.global_batch, layout.rows())
+            else:
+                ds = load_chat_dataset(name, path, source.split, chat.format)
+                contents = file_stats(source_files(name, path, source.split))
+                reader = ChatSource(name, ds, encoder, seq_len, pad_id, layout.global_batch, layout.rows())
+            reader.check_trainable()
+        except (ValueError, OSError) as e:
+            raise ValueError(f"source {name}: {e}") from e
         sources.append(Source(name, weight, reader, contents))
     return _mixture(sources, seq_len, layout, source.seed)
 

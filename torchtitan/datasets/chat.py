@@ -5,8 +5,11 @@ messages; the chat template (chat_template.py) renders it, and the tokenizer rea
 special tokens. The trained tokens are, for loss_on assistant, each assistant turn's, its end-of-turn
 token included (the model learns to stop): the ``{% generation %}`` spans of a template that has them,
 else found by rendering prefixes of the conversation. A prefix whose tokens are not a prefix of the whole
-render's (a template that rewrites earlier turns, e.g. dropping past thinking) makes the spans unknowable:
-that conversation is refused, as is one with no trained token, and counted (`ChatCounts`).
+render's (a template that rewrites earlier turns, e.g. Qwen3's dropping past reasoning) makes one render
+unable to serve every turn: each assistant turn is then a sample of its own, the conversation up to it as
+the template renders it at inference, only that turn trained. A conversation left out (the template raised,
+a turn's prompt is no token prefix of the turn, no assistant turn, longer than seq_len) is counted
+(`ChatCounts`).
 """
 
 import json
@@ -51,12 +54,21 @@ def detect_format(columns: list[str], fmt: str) -> str:
     )
 
 
-def _message(role: Any, content: Any, where: str) -> dict[str, str]:
+# Where a message may hold its reasoning, the first the name templates read (Qwen3's, DeepSeek's):
+# transformers' apply_chat_template passes it under that name whichever the data uses.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _message(role: Any, content: Any, where: str, turn: dict[str, Any] | None = None) -> dict[str, str]:
     if role not in ROLES:
         raise ValueError(f"{where}: unknown role {role!r} (roles: {', '.join(ROLES)})")
     if not isinstance(content, str):
         raise ValueError(f"{where}: a {role} message's content must be text, got {type(content).__name__}")
-    return {"role": role, "content": content}
+    message = {"role": role, "content": content}
+    reasoning = next((turn[k] for k in REASONING_FIELDS if isinstance((turn or {}).get(k), str)), None)
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    return message
 
 
 def to_messages(row: dict[str, Any], fmt: str) -> Messages:
@@ -70,35 +82,93 @@ def to_messages(row: dict[str, Any], fmt: str) -> Messages:
             f"chat.format {fmt}: a conversation must be a non-empty list of messages, got {turns!r}"
         )
     if fmt == "messages":
-        return [_message(t.get("role"), t.get("content"), "messages") for t in turns]
+        return [_message(t.get("role"), t.get("content"), "messages", t) for t in turns]
     return [
         _message(SHAREGPT_ROLES.get(t.get("from"), t.get("from")), t.get("value"), "sharegpt") for t in turns
     ]
 
 
+# What a conversation left out or changed is counted as (ChatCounts), and what the nothing-to-train error
+# says of each (chat_data.py).
+REFUSED = "refused by the chat template"
+UNMASKABLE = "refused (the prompt before an assistant turn is not a token prefix of the turn's render)"
+NO_ASSISTANT = "skipped (no assistant turn)"
+NO_TOKEN = "skipped (no trained token)"
+TRUNCATED = "truncated"
+DROPPED = "dropped as longer than training.seq_len"
+PER_TURN = "trained as one sample per assistant turn (the template re-renders earlier turns)"
+
+
 @dataclass
 class ChatCounts:
-    """Conversations left out or cut, logged as they happen (at 1, 10, 100, ... of each kind)."""
+    """Conversations left out, cut or split, each counted once however often it is read (every epoch,
+    every resume, every stream's look-ahead): the first of each kind is logged as it happens, then
+    `summary` once per epoch (chat_data.py). `extra_tokens` adds up what per-turn samples cost beyond one
+    render of their conversations."""
 
-    counts: dict[str, int] = field(default_factory=dict)
+    name: str = "(unnamed)"  # the dataset's path or name, in the log lines
+    seen: dict[str, set[int]] = field(default_factory=dict)
+    extra_tokens: int = 0
 
-    def add(self, kind: str) -> None:
-        n = self.counts[kind] = self.counts.get(kind, 0) + 1
-        if str(n).rstrip("0") == "1":
-            logger.warning(f"Chat data: {n} conversation{'s' if n > 1 else ''} {kind} so far")
+    @property
+    def counts(self) -> dict[str, int]:
+        return {kind: len(keys) for kind, keys in self.seen.items()}
+
+    def add(self, kind: str, messages: Messages, extra_tokens: int = 0) -> None:
+        keys = self.seen.setdefault(kind, set())
+        key = hash(json.dumps(messages, sort_keys=True))
+        if key in keys:
+            return
+        keys.add(key)
+        self.extra_tokens += extra_tokens
+        if len(keys) == 1:
+            logger.warning(
+                f"Chat data {self.name}: a conversation {kind} (each counted once; totals at epochs' ends)"
+            )
+
+    def summary(self) -> str:
+        """One line: every kind's count so far."""
+        parts = [f"{n} {kind}" for kind, n in self.counts.items()]
+        if PER_TURN in self.seen:
+            parts.append(f"per-turn samples costing {self.extra_tokens:,} tokens beyond one render of each")
+        return f"Chat data {self.name}: {', '.join(parts) or 'every conversation trained whole'}"
 
 
 @dataclass(frozen=True)
 class Encoded:
-    """A conversation's tokens and, per token, whether it is a target of the loss."""
+    """A conversation's tokens and, per token, whether it is a target of the loss; `starts`: where each of
+    its packed samples begins (one per assistant turn for a template that re-renders earlier turns)."""
 
     ids: list[int]
     trained: list[bool]
+    starts: tuple[int, ...] = (0,)
+
+    def samples(self) -> list["Encoded"]:
+        """Each packed sample: a document of its own (positions from 0)."""
+        ends = (*self.starts[1:], len(self.ids))
+        return [Encoded(self.ids[a:b], self.trained[a:b]) for a, b in zip(self.starts, ends)]
+
+    def longest(self) -> int:
+        return max(b - a for a, b in zip(self.starts, (*self.starts[1:], len(self.ids))))
+
+
+def _joined(samples: list[Encoded]) -> Encoded:
+    starts = [0]
+    for sample in samples[:-1]:
+        starts.append(starts[-1] + len(sample.ids))
+    ids = [t for s in samples for t in s.ids]
+    return Encoded(ids, [m for s in samples for m in s.trained], tuple(starts))
 
 
 class ChatEncoder:
     """Renders, tokenizes and masks conversations (loss_on: assistant, last_assistant or all), and fits
-    each into `max_tokens` (overflow: truncate to its whole leading turns, or drop)."""
+    each into `max_tokens` (overflow: truncate to its whole leading turns, or drop).
+
+    Each assistant turn is trained in the context the template gives it at inference: the render of the
+    conversation up to it. Where that render is a token prefix of the whole conversation's for every
+    turn trained, one render serves them all (one sample); where not (a template that rewrites earlier
+    turns, e.g. Qwen3's dropping their reasoning), each turn is a sample of its own: the conversation up
+    to and including it, only its own tokens trained."""
 
     def __init__(
         self, template: ChatTemplate, tokenizer: ChatTokenizer, loss_on: str, overflow: str, max_tokens: int
@@ -109,26 +179,58 @@ class ChatEncoder:
         self.overflow = overflow
         self.max_tokens = max_tokens
         self.counts = ChatCounts()
+        self.refusal = ""  # the template's first error, named where nothing is left to train
 
-    def _tokens(self, messages: Messages, add_generation_prompt: bool = False) -> list[int]:
-        return self.tokenizer.encode_rendered(self.template.render(messages, add_generation_prompt)[0])[0]
+    def why_nothing(self) -> str:
+        """Why no conversation was kept (each kind counted and its fix), for the one-line refusal of a row
+        of the global batch with nothing to train."""
+        template = f"the chat template {self.template.origin}"
+        fixes = {
+            REFUSED: f" ({self.refusal})",
+            UNMASKABLE: f": {template} renders the prompt before an assistant turn differently from the "
+            "turn itself, so the turn's tokens cannot be told; add {% generation %} tags around its "
+            "assistant turns or set chat.loss_on all",
+            NO_ASSISTANT: f": chat.loss_on {self.loss_on} trains assistant turns; check the roles, or set "
+            "chat.loss_on all",
+            NO_TOKEN: f": {template} renders their assistant turns as no token",
+            DROPPED: f" {self.max_tokens} under chat.overflow {self.overflow}"
+            + (
+                "; set chat.overflow truncate or raise training.seq_len"
+                if self.overflow == "drop"
+                else " (not even their first assistant turn fits); raise training.seq_len"
+            ),
+        }
+        counts = self.counts.counts
+        found = [f"{counts[kind]} {kind}{fix}" for kind, fix in fixes.items() if counts.get(kind)]
+        return "; ".join(found) or "none of its conversations is kept"
+
+    def _render(
+        self, messages: Messages, add_generation_prompt: bool = False
+    ) -> tuple[list[int], list[tuple[int, int]], list[tuple[int, int]]]:
+        """Token ids, their character offsets and the ``{% generation %}`` spans of a render."""
+        text, spans = self.template.render(messages, add_generation_prompt)
+        ids, offsets = self.tokenizer.encode_rendered(text)
+        return ids, offsets, spans
 
     def encode_document(self, text: str) -> Encoded | None:
         """`encode` of a conversation as the chat streams hold it: JSON role/content messages."""
         return self.encode(json.loads(text))
 
     def encode(self, messages: Messages) -> Encoded | None:
-        """The conversation to train on, cut to `max_tokens`; None (counted) where it is refused."""
+        """The conversation to train on, each sample within `max_tokens`; None (counted) where it is
+        left out."""
         try:
             encoded = self._encode(messages)
-        except TemplateRefused:
-            self.counts.add("refused by the chat template")
+            if encoded is not None and encoded.longest() > self.max_tokens:
+                encoded = self._truncate(messages) if self.overflow == "truncate" else None
+                self.counts.add(TRUNCATED if encoded else DROPPED, messages)
+        except TemplateRefused as e:
+            self.refusal = self.refusal or str(e)
+            self.counts.add(REFUSED, messages)
             return None
-        if encoded is None:
-            return None
-        if len(encoded.ids) > self.max_tokens:
-            encoded = self._truncate(messages) if self.overflow == "truncate" else None
-            self.counts.add("truncated" if encoded else "dropped as longer than training.seq_len")
+        if encoded is not None and len(encoded.starts) > 1:
+            # All samples but the last (the one render of the conversation up to its last turn) are extra.
+            self.counts.add(PER_TURN, messages, extra_tokens=encoded.starts[-1])
         return encoded
 
     def _truncate(self, messages: Messages) -> Encoded | None:
@@ -137,49 +239,70 @@ class ChatEncoder:
             if messages[end - 1]["role"] != "assistant":
                 continue
             encoded = self._encode(messages[:end], count=False)
-            if encoded is not None and len(encoded.ids) <= self.max_tokens:
+            if encoded is not None and encoded.longest() <= self.max_tokens:
                 return encoded
         return None
 
     def _encode(self, messages: Messages, count: bool = True) -> Encoded | None:
-        text, spans = self.template.render(messages)
-        ids, offsets = self.tokenizer.encode_rendered(text)
+        whole = self._render(messages)
+        ids, offsets, spans = whole
         if self.loss_on == "all":
-            trained = [True] * len(ids)
-        elif self.template.has_generation:
-            trained = _overlapping(offsets, spans[-1:] if self.loss_on == "last_assistant" else spans)
-        else:
-            trained = self._prefix_mask(messages, ids)
-            if trained is None:
-                if count:
-                    self.counts.add("refused (a prefix render is not a token prefix of the whole render)")
-                return None
-        if not any(trained[1:]):  # the first token is never a target
-            if count:
-                self.counts.add("skipped (no trained token)")
-            return None
-        return Encoded(ids, trained)
-
-    def _prefix_mask(self, messages: Messages, ids: list[int]) -> list[bool] | None:
-        """Each assistant turn's tokens from rendering prefixes: from the end of the prompt before it
-        (the generation prompt included) to its end-of-turn token (the last special token of the render
-        through it; what follows is the template's spacing between turns). None where a prefix's tokens
-        are not a prefix of `ids`."""
-        trained = [False] * len(ids)
+            return Encoded(ids, [True] * len(ids))
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         if self.loss_on == "last_assistant":
             turns = turns[-1:]
+        last = len(messages) - 1
+        renders = {t: whole if t == last else self._render(messages[: t + 1]) for t in turns}
+        if all(_is_prefix(renders[t][0], ids) for t in turns):
+            samples = [self._one_render(messages, turns, renders, whole)]
+        else:
+            samples = [self._turn_sample(messages, t, renders[t]) for t in turns]
+        kind = UNMASKABLE if None in samples else NO_ASSISTANT if not turns else NO_TOKEN
+        trains = [s for s in samples if s is not None and any(s.trained[1:])]  # token 0 is no target
+        if kind == UNMASKABLE or not trains:
+            if count:
+                self.counts.add(kind, messages)
+            return None
+        return _joined(trains)
+
+    def _one_render(
+        self, messages: Messages, turns: list[int], renders: dict, whole: tuple
+    ) -> Encoded | None:
+        """The conversation as one sample: its ``{% generation %}`` spans, or each turn's span found from
+        the render up to it."""
+        ids, offsets, spans = whole
+        if self.template.has_generation:
+            return Encoded(
+                ids, _overlapping(offsets, spans[-1:] if self.loss_on == "last_assistant" else spans)
+            )
+        trained = [False] * len(ids)
         for turn in turns:
-            prompt = self._tokens(messages[:turn], add_generation_prompt=True)
-            through = self._tokens(messages[: turn + 1])
-            if not (_is_prefix(prompt, ids) and _is_prefix(through, ids)):
+            span = self._turn_span(messages, turn, renders[turn][0])
+            if span is None:
                 return None
-            end = len(through)
-            last_special = _last_index(through, self.tokenizer.special_ids.__contains__, len(prompt))
-            if last_special is not None:
-                end = last_special + 1
-            trained[len(prompt) : end] = [True] * (end - len(prompt))
-        return trained
+            trained[span[0] : span[1]] = [True] * (span[1] - span[0])
+        return Encoded(ids, trained)
+
+    def _turn_sample(self, messages: Messages, turn: int, render: tuple) -> Encoded | None:
+        """Assistant turn `turn` alone trained, in `render`: that of the conversation up to it."""
+        ids, offsets, spans = render
+        if self.template.has_generation:
+            return Encoded(ids, _overlapping(offsets, spans[-1:]))
+        span = self._turn_span(messages, turn, ids)
+        if span is None:
+            return None
+        return Encoded(ids, [span[0] <= i < span[1] for i in range(len(ids))])
+
+    def _turn_span(self, messages: Messages, turn: int, through: list[int]) -> tuple[int, int] | None:
+        """[start, end) of assistant turn `turn` in `through`, the tokens of the render up to it: from the
+        end of the prompt before it (the generation prompt included) to its end-of-turn token (the last
+        special token; what follows is the template's spacing between turns). None where the prompt's
+        tokens are not a prefix of `through`."""
+        prompt = self._render(messages[:turn], add_generation_prompt=True)[0]
+        if not _is_prefix(prompt, through):
+            return None
+        last_special = _last_index(through, self.tokenizer.special_ids.__contains__, len(prompt))
+        return len(prompt), len(through) if last_special is None else last_special + 1
 
 
 def _is_prefix(prefix: list[int], ids: list[int]) -> bool:

@@ -3,7 +3,8 @@ read by memory map when training (the chat streams' packing, chat_data.py, is un
 
 The folder is a pre-tokenized one (pretokenized.py: ``manifest.json``, per shard its tokens, the offsets
 where each document starts and block checksums), each document one conversation, plus per shard
-``shard-NNNNN.trained.npy`` (uint8, one per token: 1 where the token is a target of the loss, chat.loss_on).
+``shard-NNNNN.trained.npy`` (uint8, one per token: bit 0 where the token is a target of the loss,
+chat.loss_on; bit 1 where a conversation's next sample starts, one per assistant turn: chat.py).
 Conversation i of the source is document i: one that the template refuses, that trains no token, or that
 chat.overflow drops is an empty document, so that streams are dealt the same conversations as when
 streaming (i to stream ``i % S``, map-style sources) and train the same batches. The manifest's ``chat``
@@ -31,6 +32,8 @@ from torchtitan.datasets.pretokenized import (
     written_whole,
 )
 from torchtitan.datasets.streams import too_small
+
+SAMPLE_START = 2  # the bit of a ``trained`` byte marking the first token of a conversation's next sample
 
 
 def trained_name(index: int) -> str:
@@ -65,7 +68,7 @@ def pretokenize_chats(
             encoded = [encoder.encode(json.loads(text)) for text in batch]
             docs = [e.ids if e is not None else [] for e in encoded]
             tokens = np.array([t for doc in docs for t in doc], dtype=dtype)
-            trained = np.array([t for e in encoded if e is not None for t in e.trained], dtype=np.uint8)
+            trained = np.concatenate([_flags(e) for e in encoded if e is not None] or [np.zeros(0, np.uint8)])
             offsets = np.cumsum([0] + [len(d) for d in docs], dtype=np.int64)
             tokens_name, offsets_name, checksums_name = shard_names(index)
             (tmp / tokens_name).write_bytes(tokens.tobytes())
@@ -85,6 +88,14 @@ def pretokenize_chats(
             )
         chat = {**chat_settings(encoder), "counts": encoder.counts.counts}
         return write_manifest(tmp, tokenizer_path, vocab_size, source, shards, chat=chat)
+
+
+def _flags(encoded: Encoded) -> np.ndarray:
+    """A conversation's ``trained`` bytes: bit 0 where a token is trained, bit 1 where a sample (after the
+    first) starts."""
+    flags = np.array(encoded.trained, dtype=np.uint8)
+    flags[list(encoded.starts[1:])] |= SAMPLE_START
+    return flags
 
 
 class PretokenizedChats:
@@ -112,6 +123,8 @@ class PretokenizedChats:
             )
         if manifest["num_documents"] < num_streams:
             raise too_small(name, manifest["num_documents"], num_streams)
+        self._folder = folder
+        self._counts = ", ".join(f"{n} {kind}" for kind, n in chat.get("counts", {}).items()) or "no counts"
         dtype = TOKEN_DTYPES[manifest["dtype"]]
         shards = manifest["shards"]
         self._tokens = [
@@ -138,4 +151,10 @@ class PretokenizedChats:
         if start == end:
             return None
         ids = self._tokens[shard][start:end].astype(np.int64).tolist()
-        return Encoded(ids, self._trained[shard][start:end].astype(bool).tolist())
+        flags = np.asarray(self._trained[shard][start:end])
+        starts = (0, *np.flatnonzero(flags & SAMPLE_START).tolist())
+        return Encoded(ids, (flags & 1).astype(bool).tolist(), starts)
+
+    def why_nothing(self) -> str:
+        """Why a row has nothing to train: its conversations were left out when the folder was written."""
+        return f"every conversation dealt to it was left out when {self._folder} was written ({self._counts})"

@@ -2,6 +2,8 @@
 `datasets` as a dataset with one "text" column (map-style, or streaming for a hub dataset that streams)."""
 
 import contextlib
+import itertools
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,8 +67,45 @@ def _load_local(path: Path, split: str) -> datasets.Dataset:
     # A .txt file is one document; json/parquet rows are documents.
     options = {"sample_by": "document"} if builder == "text" else {}
     # Local files: the "Generating train split" bar tells nothing (a hub download keeps its bars).
-    with quiet_progress_bars():
-        return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **options)
+    try:
+        with quiet_progress_bars():
+            return datasets.load_dataset(
+                builder, data_files=[str(f) for f in files], split="train", **options
+            )
+    except Exception as e:
+        if builder == "json" and (bad := _first_bad_json_line(files)) is not None:
+            raise ValueError(bad) from e
+        raise
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """A .jsonl file's non-blank lines with their 1-based numbers (its rows, in order)."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        yield from ((n, line) for n, line in enumerate(f, 1) if line.strip())
+
+
+def _first_bad_json_line(files: list[Path]) -> str | None:
+    """Where the first line of .jsonl `files` that is no JSON object is, and why (`datasets` says only
+    "row N"); None where every line is one (the error is elsewhere)."""
+    for path in (f for f in files if f.suffix == ".jsonl"):
+        for n, line in _jsonl_lines(path):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                return f"{path} line {n}: not valid JSON ({e.msg} at column {e.colno})"
+            if not isinstance(row, dict):
+                return f"{path} line {n}: a row must be a JSON object, got {type(row).__name__}"
+    return None
+
+
+def row_location(files: list[Path], index: int) -> str:
+    """Where row `index` (0-based, over `files` in order) of a local dataset is: file and 1-based line for
+    .jsonl files, else its 1-based row number."""
+    if files and all(f.suffix == ".jsonl" for f in files):
+        rows = ((path, n) for path in files for n, _ in _jsonl_lines(path))
+        if (found := next(itertools.islice(rows, index, None), None)) is not None:
+            return f"{found[0]} line {found[1]}"
+    return f"row {index + 1}" + (f" of {', '.join(str(f) for f in files)}" if files else "")
 
 
 @contextlib.contextmanager
