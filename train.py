@@ -173,7 +173,7 @@ def main(job_config: JobConfig) -> int:
             if validator is not None and validator.should_validate(step):
                 result = validator.validate()
                 metric_logger.log_validation(
-                    step, result.loss, result.perplexity, result.tokens, result.seconds
+                    step, result.loss, result.perplexity, result.tokens, result.seconds, validator.data
                 )
             stop = stop_request.agreed(device)  # the same answer on every rank
             # Never save a non-finite state.

@@ -132,7 +132,7 @@ def test_failing_metrics_warn_once_and_training_goes_on(tmp_path, caplog, monkey
         for step in (1, 2, 3):
             metrics.step_done()
             metrics.log(step, 8.0, 1.0, 1e-3, 0)
-        metrics.log_validation(3, 8.0, 2981.0, 512, 0.1)
+        metrics.log_validation(3, 8.0, 2981.0, 512, 0.1, "kjv_validation")
         metrics.close()
     finally:
         logger.removeHandler(caplog.handler)

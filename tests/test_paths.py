@@ -150,7 +150,7 @@ def test_scripts_take_paths_with_spaces_and_unicode(odd, capsys):
     assert parse_args(["--job.config_file", str(toml)]).job.config_file == str(toml)
 
 
-def test_train_takes_paths_with_spaces_and_unicode(odd):
+def test_train_takes_paths_with_spaces_and_unicode(odd, capsys):
     (odd / "tök en.tiktoken").write_bytes(TOKENIZER.read_bytes())
     lines = (ROOT / "assets" / "corpus" / "kjv" / "train.jsonl").read_text().splitlines()[:400]
     (odd / "dätä set.jsonl").write_text("\n".join(lines) + "\n")
@@ -166,3 +166,4 @@ def test_train_takes_paths_with_spaces_and_unicode(odd):
     )  # fmt: skip
     assert code == 0
     assert json.loads((odd / "dump ü" / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
+    assert f"Data for training: {odd / 'dätä set.jsonl'}\n" in capsys.readouterr().out  # not kjv

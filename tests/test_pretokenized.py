@@ -136,9 +136,9 @@ def test_tokenizer_without_bos(hf_tok, tok, folder, tmp_path):
             loaders(other, shards_of, (1, 4))
 
 
-def test_train_with_a_tokenizer_without_bos(tmp_path):
+def test_train_with_a_tokenizer_without_bos(tmp_path, capsys):
     """train.py with the bundled Hugging Face tokenizer folder: a mixture of its pre-tokenized shards and
-    text, validated on text."""
+    text, validated on text; the logs name each source and the data validated."""
     with open(ROOT / "assets/corpus/kjv/train.jsonl") as f:
         chapters = [json.loads(line)["text"] for _, line in zip(range(30), f)]
     hf = ["--model.tokenizer_path", str(KJV_HF)]
@@ -149,6 +149,9 @@ def test_train_with_a_tokenizer_without_bos(tmp_path):
     assert run_train_in_process(*job, "--job.dump_folder", str(tmp_path / "run")) == 0
     assert list(losses(tmp_path / "run")) == [1]
     assert [r["step"] for r in read_records(tmp_path / "run") if "validation_loss" in r] == [1]
+    out = capsys.readouterr().out
+    assert f"Data for training: mixture of {tmp_path / 'data'} (weight 1), {text} (weight 1)\n" in out
+    assert f"Data for validation: {text}\n" in out and f" tokens of {text}, " in out
 
 
 def test_interrupted_run_leaves_nothing_and_existing_output_is_refused(folder, tmp_path, capsys, monkeypatch):

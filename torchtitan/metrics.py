@@ -241,14 +241,17 @@ class MetricLogger:
             metrics = {k: v for k, v in record.items() if v is not None and k != "step"}
             self._safely("W&B", lambda: self.wandb.log(metrics, step=record["step"]))
 
-    def log_validation(self, step: int, loss: float, perplexity: float, tokens: int, seconds: float) -> None:
-        """Log an evaluation's result and leave its time out of the training window (tokens/s, MFU)."""
+    def log_validation(
+        self, step: int, loss: float, perplexity: float, tokens: int, seconds: float, data: str
+    ) -> None:
+        """Log an evaluation's result, naming the `data` scored, and leave its time out of the training
+        window (tokens/s, MFU)."""
         self._window_start += seconds
         if not self.is_logging_rank:
             return
         logger.info(
             f"{self.c.green}validate step {step}: loss {loss:.4f}  perplexity {perplexity:.2f}  "
-            f"({tokens:,} tokens, {seconds:.1f} s){self.c.reset}"
+            f"({tokens:,} tokens of {data}, {seconds:.1f} s){self.c.reset}"
         )
         record = {
             "step": step,

@@ -24,6 +24,7 @@ from torchtitan.datasets.layout import BatchLayout
 from torchtitan.datasets.loader import DataLoader
 from torchtitan.datasets.tokenizer import AnyTokenizer
 from torchtitan.errors import bad_input
+from torchtitan.logging import logger
 from torchtitan.models import vocab_size
 from torchtitan.parallelisms.distributed import dist_min, dist_sum, global_mean_loss
 from torchtitan.parallelisms.parallel_dims import Meshes
@@ -90,6 +91,7 @@ class Validator:
                     min_over_ranks=functools.partial(dist_min, mesh=meshes.dp),
                 )
             )
+            self.data = source.label()  # what the scores are of, named in every result's log line
             self.loader = DataLoader(dataset, batch_size)
             self.start = self.loader.state_dict()
             if next(iter(self.loader), None) is None:
@@ -99,6 +101,8 @@ class Validator:
                     f"{job_config.training.seq_len + 1} tokens); lower validation.global_batch_size (or "
                     "batch_size) or use more data"
                 )
+        if not self.chat:  # chat data logs its own line (chat_data.py)
+            logger.info(f"Data for validation: {self.data}")
 
     def should_validate(self, step: int) -> bool:
         """Every validation.freq steps and at the last step."""

@@ -25,6 +25,7 @@ from torchtitan.datasets.sources import load_text_dataset, resolve_data_path, so
 from torchtitan.datasets.streams import TextTokenizer
 from torchtitan.datasets.text import TextDataset
 from torchtitan.errors import bad_input
+from torchtitan.logging import logger
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,13 @@ class DataSource:
     split: str = "train"
     seed: int = 0
     shuffle: bool = False
+
+    def label(self) -> str:
+        """What the data is, for the logs: each mixture source with its weight, else the path read (the
+        registered name only where no path overrides it)."""
+        if self.mixture:
+            return "mixture of " + ", ".join(f"{name} (weight {weight:g})" for name, weight in self.mixture)
+        return self.path or self.dataset
 
 
 def _mixture_source(
@@ -112,7 +120,7 @@ def build_dataset(
         )
     ds = load_text_dataset(source.dataset, source.path, source.split)
     return TextDataset(
-        source.dataset,
+        source.label(),  # the warnings name the path read, not the name it overrides
         ds,
         tokenizer,
         seq_len,
@@ -180,6 +188,10 @@ def build_training_data_loader(
     else:
         with bad_input(f"training.{option}"):
             dataset = build_dataset(source, tokenizer, training.seq_len, layout, vocab_size)
+    if not isinstance(dataset, ChatDataset):  # a chat dataset logs its own line (chat_data.py)
+        logger.info(
+            f"{'Chat data' if chat is not None and chat.enable else 'Data'} for training: {source.label()}"
+        )
     return DataLoader(
         dataset,
         layout.batch_size,
