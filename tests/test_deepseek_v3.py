@@ -9,8 +9,10 @@ a folder whose settings differ from the flavour's and another family's folder ar
 Layouts: scripts/parity_layouts.py's DeepSeek-V3 rows."""
 
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -302,17 +304,26 @@ def make_hub_with_mtp(folder: Path, args: DeepSeekV3ModelArgs) -> Path:
     return folder
 
 
-def test_an_mtp_layer_round_trips_and_transformers_loads_the_export(tmp_path):
+MTP_ARGS = replace(job_args("debugmodel"), mtp_layers=1)
+MTP_JOB = parse_args(["--model.name", "deepseek_v3", "--model.mtp_layers", "1"])
+
+
+@pytest.fixture(scope="module")
+def mtp_hub(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module, Any]:
+    """make_hub_with_mtp's folder, and model.mtp_layers 1's model loaded from it with its reader, made
+    once for the tests that read them (a test that damages the folder damages a copy)."""
+    folder = make_hub_with_mtp(tmp_path_factory.mktemp("mtp") / "hub", MTP_ARGS)
+    model = SPEC.build(MTP_ARGS)
+    model.init_weights(seed=0)
+    return folder, model, load_hf_weights(model, str(folder), MTP_JOB.model, MTP_ARGS)
+
+
+def test_an_mtp_layer_round_trips_and_transformers_loads_the_export(tmp_path, mtp_hub):
     """model.mtp_layers 1 on a folder with DeepSeek's MTP layer: loaded (every tensor but the copies of the
     embeddings and head, which the model shares), saved as our checkpoint after 0 steps and exported:
     every tensor of the folder bit for bit, the MTP layer's included; transformers loads the export
     (skipping the MTP layer, as it does DeepSeek's) and computes the folder's logits."""
-    args = replace(job_args("debugmodel"), mtp_layers=1)
-    folder = make_hub_with_mtp(tmp_path / "hub", args)
-    model = SPEC.build(args)
-    model.init_weights(seed=0)
-    job = parse_args(["--model.name", "deepseek_v3", "--model.mtp_layers", "1"])
-    reader = load_hf_weights(model, str(folder), job.model, args)
+    (folder, model, reader), args, job = mtp_hub, MTP_ARGS, MTP_JOB
     n = args.n_layers
     assert reader.skipped_summary() == (
         "multi-token prediction's copies of the embeddings and output head (shared here): 2 tensors "
@@ -342,30 +353,25 @@ def test_an_mtp_layer_round_trips_and_transformers_loads_the_export(tmp_path):
     )
 
 
-def test_hf_to_dcp_keeps_a_folders_mtp_depth_and_refuses_it_cut(tmp_path, capsys):
+def test_hf_to_dcp_keeps_a_folders_mtp_depth_and_refuses_it_cut(tmp_path, capsys, mtp_hub):
     """convert_hf_to_dcp.py keeps the folder's depth by default (the tensors of model.mtp_layers 1's
-    checkpoint), drops it with --mtp-layers 0, refuses more depths than the folder's; a depth's tensor
-    gone is one line naming it, exit 2, nothing written (with --mtp-layers 0 it is not needed)."""
+    checkpoint), refuses more depths than the folder's; a depth's tensor gone is one line naming it,
+    exit 2, nothing written, and --mtp-layers 0 then converts the folder without the depth (not needed)."""
     from scripts import convert_hf_to_dcp
 
-    args = replace(job_args("debugmodel"), mtp_layers=1)
-    folder = make_hub_with_mtp(tmp_path / "hub", args)
-    model = SPEC.build(args)
-    job = parse_args(["--model.name", "deepseek_v3", "--model.mtp_layers", "1"])
-    load_hf_weights(model, str(folder), job.model, args)
+    folder, model, _ = mtp_hub
     assert convert_hf_to_dcp.main([str(folder), str(tmp_path / "dcp")]) == 0
     assert "kept 1 multi-token prediction depths" in capsys.readouterr().out
     back = read_model_weights(str(tmp_path / "dcp"))
     expected = model.state_dict()
     assert back.keys() == expected.keys() and all(torch.equal(back[k], w) for k, w in expected.items())
-    assert convert_hf_to_dcp.main([str(folder), str(tmp_path / "none"), "--mtp-layers", "0"]) == 0
-    assert not any(k.startswith("mtp.") for k in read_model_weights(str(tmp_path / "none")))
     capsys.readouterr()
     assert convert_hf_to_dcp.main([str(folder), str(tmp_path / "two"), "--mtp-layers", "2"]) == 2
     assert "--mtp-layers: " in capsys.readouterr().err and not (tmp_path / "two").exists()
-    n = args.n_layers
+    n = MTP_ARGS.n_layers
     from test_convert import drop_tensor
 
+    folder = Path(shutil.copytree(folder, tmp_path / "hub"))
     drop_tensor(folder, f"model.layers.{n}.enorm.weight")
     assert convert_hf_to_dcp.main([str(folder), str(tmp_path / "cut")]) == 2
     err = capsys.readouterr().err
@@ -374,4 +380,5 @@ def test_hf_to_dcp_keeps_a_folders_mtp_depth_and_refuses_it_cut(tmp_path, capsys
         and f"has no model.layers.{n}.enorm.weight" in err
         and not (tmp_path / "cut").exists()
     )
-    assert convert_hf_to_dcp.main([str(folder), str(tmp_path / "cut"), "--mtp-layers", "0"]) == 0
+    assert convert_hf_to_dcp.main([str(folder), str(tmp_path / "none"), "--mtp-layers", "0"]) == 0
+    assert not any(k.startswith("mtp.") for k in read_model_weights(str(tmp_path / "none")))

@@ -28,16 +28,18 @@ pytestmark = pytest.mark.usefixtures("hf_cache")
 
 HF_TOKENIZER = ROOT / "assets" / "tokenizer" / "kjv_bpe_hf"
 EXPORTED = ["--checkpoint.enable_checkpoint", "true", "--checkpoint.last_save_in_hf", "true"]
+# One step of two sequences: enough for a checkpoint, trained routing biases and an export.
+SMALL = ["--training.steps", "1", "--training.batch_size", "2"]
 MTP = [
     *TINY_JOB,
     *("--model.name", "deepseek_v3", "--model.tokenizer_path", str(HF_TOKENIZER), "--model.mtp_layers", "1"),
-    *("--moe.bias_update_rate", "0.01", "--training.steps", "2", *EXPORTED),
+    *("--moe.bias_update_rate", "0.01", *SMALL, *EXPORTED),
 ]
 CHAT = [
     *TINY_JOB,
     *("--model.name", "qwen3", "--model.flavor", "debugmodel", "--model.attn_mask_type", "block_causal"),
     *("--model.tokenizer_path", str(HF_TOKENIZER), "--chat.enable", "true", "--training.dataset", "kjv_chat"),
-    *("--training.seq_len", "128", "--training.steps", "2", *EXPORTED),
+    *("--training.seq_len", "128", *SMALL, *EXPORTED),
 ]
 CONVERSATION = [
     {"role": "system", "content": "Answer from the King James Bible."},
@@ -170,10 +172,7 @@ def test_a_chat_run_exports_its_template_and_stops_at_the_end_of_the_turn(tmp_pa
         "--checkpoint.initial_load_path",
         str(hf),
     ]
-    assert (
-        run_train_in_process(*again, "--training.steps", "1", "--job.dump_folder", str(tmp_path / "again"))
-        == 0
-    )
+    assert run_train_in_process(*again, "--job.dump_folder", str(tmp_path / "again")) == 0
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,8 @@ folder of another family or shape, without weights or with a damaged file is one
 sharded reads (each rank its share, the weights bit for bit): test_parallelisms.py."""
 
 import json
+import shutil
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -54,6 +56,19 @@ def hub_folder(folder: Path, name: str, **changes: int) -> Path:
     return folder / "hub"
 
 
+@pytest.fixture(scope="module")
+def hub_of(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """hub_folder(name), made once for this module's tests: they only read it, or damage a copy."""
+    made: dict[str, Path] = {}
+
+    def hub(name: str) -> Path:
+        if name not in made:
+            made[name] = hub_folder(tmp_path_factory.mktemp(name), name)
+        return made[name]
+
+    return hub
+
+
 def transformers_first_loss(hub: Path, name: str) -> float:
     """transformers' loss on train.py's first batch of the job."""
     training = parse_args([*ONE_STEP, *FAMILIES[name]]).training
@@ -69,8 +84,8 @@ def transformers_first_loss(hub: Path, name: str) -> float:
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_a_hub_folder_starts_a_run(tmp_path, name):
-    hub = hub_folder(tmp_path, name)
+def test_a_hub_folder_starts_a_run(tmp_path, name, hub_of):
+    hub = hub_of(name)
     expected = transformers_first_loss(hub, name)
     argv = [*ONE_STEP, *FAMILIES[name], "--checkpoint.initial_load_path", str(hub)]
     assert run_train_in_process(*argv, "--job.dump_folder", str(tmp_path / "run")) == 0
@@ -82,10 +97,10 @@ def test_a_hub_folder_starts_a_run(tmp_path, name):
         assert abs(losses(tmp_path / "fsdp")[1] - expected) <= 1e-5
 
 
-def test_a_bad_hub_folder_is_one_line(tmp_path, capsys):
+def test_a_bad_hub_folder_is_one_line(tmp_path, capsys, hub_of):
     """Another family through train.py (one line, exit 2, before a step); another shape, a folder
     without weights and a damaged file through the loader, each its one-line ConfigError."""
-    hub = hub_folder(tmp_path, "qwen3")
+    hub = hub_of("qwen3")
     capsys.readouterr()  # transformers' progress bars while the folder was made
     argv = [*ONE_STEP, "--checkpoint.initial_load_path", str(hub), "--job.dump_folder", str(tmp_path / "run")]
     assert run_train_in_process(*argv) == 2
@@ -110,12 +125,12 @@ def test_a_bad_hub_folder_is_one_line(tmp_path, capsys):
         load_hf_weights(model, str(smaller), job.model, args)
 
 
-def test_a_hub_folder_missing_a_tensor_is_one_line_naming_it(tmp_path, capsys):
+def test_a_hub_folder_missing_a_tensor_is_one_line_naming_it(tmp_path, capsys, hub_of):
     """A layer's tensor (train.py, exit 2 before a step) or an expert's (the converter) gone from a folder
     transformers saved: one line naming the tensor and its file, nothing trained or written."""
     from test_convert import drop_tensor
 
-    hub = hub_folder(tmp_path / "llama", "llama3")
+    hub = Path(shutil.copytree(hub_of("llama3"), tmp_path / "llama"))
     drop_tensor(hub, "model.layers.1.mlp.up_proj.weight")
     capsys.readouterr()
     argv = [*ONE_STEP, "--checkpoint.initial_load_path", str(hub), "--job.dump_folder", str(tmp_path / "run")]
@@ -125,7 +140,7 @@ def test_a_hub_folder_missing_a_tensor_is_one_line_naming_it(tmp_path, capsys):
     assert line.startswith(
         f" checkpoint.initial_load_path: {hub / 'model.safetensors'} has no model.layers.1.mlp.up_proj.weight"
     ), line
-    moe = hub_folder(tmp_path / "moe", "qwen3_moe")
+    moe = Path(shutil.copytree(hub_of("qwen3_moe"), tmp_path / "moe"))
     drop_tensor(moe, "model.layers.1.mlp.experts.3.down_proj.weight")
     capsys.readouterr()
     assert convert_hf_to_dcp.main([str(moe), str(tmp_path / "out")]) == 2
