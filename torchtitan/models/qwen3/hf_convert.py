@@ -6,7 +6,7 @@ reordered. Llama's names plus the per-head q/k norms; a tied model's HF files ha
 
 import torch
 
-from torchtitan.models.hf_convert import decoder_config, from_hf_names, to_hf_names
+from torchtitan.models.hf_convert import check_rope, decoder_config, from_hf_names, to_hf_names
 from torchtitan.models.llama.hf_convert import NAMES as LLAMA_NAMES
 from torchtitan.models.qwen3 import Qwen3ModelArgs
 
@@ -46,3 +46,8 @@ def hf_config(
         "use_sliding_window": False,
         "sliding_window": None,
     }
+
+
+def check_flavor(config: dict, model_args: Qwen3ModelArgs, where: str) -> None:
+    """The folder's RoPE is the flavour's: rope_theta, and no rope_scaling (ours has none)."""
+    check_rope(config, {"rope_theta": model_args.rope_theta, "rope_scaling": None}, where)

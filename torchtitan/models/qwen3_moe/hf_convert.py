@@ -12,6 +12,7 @@ converted HF model starts with a zero bias.
 import torch
 
 from torchtitan.models.hf_convert import (
+    check_rope,
     decoder_config,
     experts_from_hf,
     experts_to_hf,
@@ -65,3 +66,8 @@ def hf_config(
         "use_sliding_window": False,
         "sliding_window": None,
     }
+
+
+def check_flavor(config: dict, model_args: Qwen3MoeModelArgs, where: str) -> None:
+    """The folder's RoPE is the flavour's: rope_theta, and no rope_scaling (ours has none)."""
+    check_rope(config, {"rope_theta": model_args.rope_theta, "rope_scaling": None}, where)
