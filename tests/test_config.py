@@ -193,3 +193,58 @@ def test_list_option_rejects_wrong_types(tmp_path, value):
     path = write_toml(tmp_path, f"[parallelism]\npipeline_parallel_split_points = {value}\n")
     with pytest.raises(ConfigError, match=r"pipeline_parallel_split_points: expected list\[str\]"):
         parse_args(["--job.config_file", path])
+
+
+DEBUG_RECIPES = sorted((ROOT / "train_configs").glob("*debug*.toml"))
+# Degrees (world size, dp_replicate, tp, pp, cp; dp_shard the rest) of the layouts the tests and docs run.
+DEBUG_LAYOUTS = [
+    (1, 1, 1, 1, 1),
+    (2, 1, 1, 1, 1),
+    (2, 2, 1, 1, 1),
+    (2, 1, 2, 1, 1),
+    (2, 1, 1, 2, 1),
+    (2, 1, 1, 1, 2),
+    (4, 1, 1, 1, 1),
+    (4, 2, 1, 1, 1),
+    (4, 1, 2, 1, 1),
+    (4, 1, 1, 2, 1),
+    (4, 1, 2, 2, 1),
+    (4, 1, 1, 2, 2),
+    (4, 1, 1, 1, 2),
+    (4, 2, 1, 2, 1),
+    (8, 1, 2, 2, 1),
+    (8, 2, 2, 2, 1),
+    (8, 1, 1, 2, 2),
+    (8, 1, 1, 4, 1),
+]
+
+
+@pytest.mark.parametrize("recipe", DEBUG_RECIPES, ids=lambda path: path.stem)
+def test_every_training_batch_of_a_debug_recipe_validates_on_every_layout(recipe):
+    """The recipes' validation settings compose with every layout: a training.batch_size the training
+    rules accept (validation off) passes them with the recipe's validation on too, pipelines included
+    (the validation batch runs in the training shape, train_step.py), e.g. debug_model.toml's
+    validation.global_batch_size 8 on PP 2 with training.batch_size 4."""
+    import copy
+
+    from torchtitan.config_rules import check_layout
+
+    base = parse_args(["--job.config_file", str(recipe)])
+    assert base.validation.enable, recipe
+    accepted = []
+    for world, replicate, tp, pp, cp in DEBUG_LAYOUTS:
+        for batch_size in range(1, 9):
+            job = copy.deepcopy(base)
+            parallelism = job.parallelism
+            parallelism.data_parallel_replicate_degree, parallelism.tensor_parallel_degree = replicate, tp
+            parallelism.pipeline_parallel_degree, parallelism.context_parallel_degree = pp, cp
+            job.training.batch_size = batch_size
+            job.validation.enable = False
+            try:
+                check_layout(job, world)
+            except ConfigError:
+                continue  # a layout or batch the training rules refuse
+            job.validation.enable = True
+            check_layout(job, world)
+            accepted.append(pp)
+    assert len(accepted) > 40 and accepted.count(2) > 10, accepted

@@ -218,7 +218,8 @@ def check_pipeline(job_config: JobConfig, n_layers: int) -> None:
 
 
 def check_validation(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-    """Pipeline stages run the training batch's micro-batch shape, and V schedules cannot evaluate."""
+    """No count of 0, a validation batch that divides over the DP ranks, and no V schedule evaluating
+    (any batch size evaluates under a pipeline: train_step.py runs it in the training batch's shape)."""
     validation = job_config.validation
     for option in ("steps", "batch_size", "global_batch_size"):
         if getattr(validation, option) == 0:
@@ -229,15 +230,7 @@ def check_validation(job_config: JobConfig, parallel_dims: ParallelDims) -> None
             f"validation.enable: torch's pipeline evaluation (schedule.eval) cannot run {schedule} "
             "(its V-shaped stages expect a backward); pick another schedule or set validation.enable = false"
         )
-    batch_size = validation_batch_size(job_config, parallel_dims.dp_degree)
-    training_batch_size = job_config.training.batch_size
-    if validation.enable and parallel_dims.pp_enabled and batch_size != training_batch_size:
-        option = "global_batch_size" if validation.global_batch_size != -1 else "batch_size"
-        raise ConfigError(
-            f"validation.{option}: {getattr(validation, option)} gives {batch_size} sequences per rank, not "
-            f"training.batch_size's {training_batch_size}, and pipeline stages run one micro-batch shape; "
-            "set it to -1 with pipeline parallelism"
-        )
+    validation_batch_size(job_config, parallel_dims.dp_degree)
 
 
 def validation_batch_size(job_config: JobConfig, dp_degree: int) -> int:
