@@ -130,7 +130,8 @@ def check_tied_pipeline(job_config: JobConfig, model_args: ModelArgs) -> None:
 
 
 def check_moe(job_config: JobConfig, parallel_dims: ParallelDims, model_args: ModelArgs) -> None:
-    """Expert parallelism splits a mixture-of-experts model's experts evenly; what such a model cannot run
+    """A dense model has no expert parallelism nor [moe] option set (it would be ignored silently).
+    Expert parallelism splits a mixture-of-experts model's experts evenly; what such a model cannot run
     with yet: TP without FSDP (its layers' gradients are summed over the tp ranks by FSDP), and its
     auxiliary losses under PP with replicas alone (the stages pass their statistics on through FSDP's
     unit, parallelisms/pipeline.py)."""
@@ -140,6 +141,12 @@ def check_moe(job_config: JobConfig, parallel_dims: ParallelDims, model_args: Mo
             raise ConfigError(
                 f"parallelism.expert_parallel_degree: {name} has no experts to split; use 1 (or a "
                 "mixture-of-experts model.name such as qwen3_moe)"
+            )
+        if moe_options := sorted(key for key in job_config.explicit if key.startswith("moe.")):
+            families = ", ".join(family for family, spec in MODEL_SPECS.items() if spec.moe)
+            raise ConfigError(
+                f"{moe_options[0]}: {name} has no experts, so [moe] options do nothing for it; remove it, "
+                f"or use a mixture-of-experts model.name ({families})"
             )
         return
     if model_args.top_k > model_args.num_experts:

@@ -166,6 +166,8 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     toml_data = load_toml(config_file) if config_file else {}
     config = from_dict(toml_data)
     config.job.config_file = config_file
+    in_file = {f"{sec}.{name}" for sec, values in toml_data.items() for name in values}
+    config.explicit = frozenset(in_file | set(overrides))
     for key, text in overrides.items():
         sec, name, tp, meta = table[key]
         value = _check_value(f"--{key}", _parse_cli_value(key, text, tp), tp, meta)
