@@ -1,3 +1,5 @@
+import math
+import re
 import subprocess
 import sys
 from dataclasses import fields
@@ -248,3 +250,32 @@ def test_every_training_batch_of_a_debug_recipe_validates_on_every_layout(recipe
             check_layout(job, world)
             accepted.append(pp)
     assert len(accepted) > 40 and accepted.count(2) > 10, accepted
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("-5", -5.0),
+        ("-.5", -0.5),
+        ("-1e-4", -1e-4),
+        ("-1E+3", -1000.0),
+        ("-2.5e3", -2500.0),
+        ("-inf", -math.inf),
+    ],
+)
+def test_negative_numbers_in_any_notation_are_values(text, value):
+    """A negative number after an option is its value, not another option (argparse reads -1e-4, -1E+3
+    and -inf as options by itself): in train.py's options, checked then against their declaration, and
+    in the scripts' own arguments (OneLineParser)."""
+    from torchtitan.config.parser import OneLineParser
+
+    shown = "-inf is not a finite number" if math.isinf(value) else f"{value!r} is below the minimum 0.0"
+    with pytest.raises(ConfigError, match=f"^--optimizer.lr: {re.escape(shown)}$"):
+        parse_args(["--optimizer.lr", text])
+    parser = OneLineParser(prog="script.py")
+    parser.add_argument("--x", type=float)
+    parser.add_argument("positional", nargs="?")
+    assert parser.parse_args(["--x", text]).x == value
+    assert parse_args(["--validation.steps", "-1"]).validation.steps == -1
+    with pytest.raises(ConfigError, match="argument --optimizer.lr: expected one argument"):
+        parse_args(["--optimizer.lr", "-x"])  # not a number: still an option, refused

@@ -7,6 +7,7 @@ Precedence: command line > TOML file > declared default.
 import argparse
 import difflib
 import math
+import re
 import sys
 import types
 import typing
@@ -107,14 +108,31 @@ def _option_table() -> dict[str, tuple[str, str, Any, dict]]:
     }
 
 
+# A negative number in any notation Python reads (-5, -.5, -1e-4, -1E+3, -inf): argparse's own pattern
+# (-5, -.5) leaves the others to be read as options ("--optimizer.lr -1e-4": expected one argument).
+NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|-(inf|infinity|nan)", re.IGNORECASE)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse under the one-line contract (train.py's options and every script's own): a bad
     argument is a ConfigError, which errors.run_with_exit_codes reports in one line with exit code 2,
-    not argparse's usage block."""
+    not argparse's usage block. A negative number is a value, whatever its notation."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # argparse (3.11 to 3.14) tells a negative number from an option by this matcher alone.
+        self._negative_number_matcher = _FullMatch(NEGATIVE_NUMBER)
 
     def error(self, message: str) -> typing.NoReturn:
         # One line, even for an argument with a newline.
         raise ConfigError(f"{' '.join(message.split())}; see {self.prog} --help")
+
+
+class _FullMatch:
+    """A pattern whose `match` is its `fullmatch`, as argparse calls it."""
+
+    def __init__(self, pattern: re.Pattern) -> None:
+        self.match = pattern.fullmatch
 
 
 def positive_int(value: str) -> int:
