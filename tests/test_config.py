@@ -135,6 +135,22 @@ def test_help_lists_every_option_with_type_and_default():
             assert f"--{section.name}.{option.name}" in text
             assert f"default: {default_of(option)!r}" in text
     assert "(int, default: 10000)" in text
+    # What it trains: every family, not "a Llama model".
+    assert "Llama model" not in text and "llama3, qwen3, qwen3_moe, deepseek_v3 (model.name)" in text
+
+
+def test_make_chat_data_help_says_its_whole_purpose():
+    """Its description is the docstring's first paragraph, not its first line cut mid-sentence."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "make_chat_data.py"), "--help"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    description = " ".join(out.stdout.split("\n\n")[1].split())
+    assert description.startswith("Regenerate the bundled chat set") and description.endswith(
+        "the same file."
+    )
 
 
 def test_every_recipe_parses():

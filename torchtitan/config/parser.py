@@ -9,6 +9,7 @@ import difflib
 import math
 import re
 import sys
+import textwrap
 import types
 import typing
 from dataclasses import fields
@@ -143,15 +144,20 @@ def positive_int(value: str) -> int:
 
 
 def _build_arg_parser() -> OneLineParser:
+    table = _option_table()
+    families = ", ".join(table["model.name"][3]["choices"])
     parser = OneLineParser(
         prog="train.py",
         usage="train.py [--job.config_file FILE] [--section.key VALUE | --section.key=VALUE ...]",
-        description="Pre-train a Llama model. Options come from the TOML file given by --job.config_file, "
-        "overridden by any --section.key VALUE given here.",
+        description=textwrap.fill(
+            f"Train a language model of one of the families {families} (model.name), from scratch or "
+            "from a checkpoint, on any layout. Options come from the TOML file given by --job.config_file "
+            "(a recipe in train_configs/), overridden by any --section.key VALUE given here.",
+            100,
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    table = _option_table()
     for sec, cls in _sections().items():
         group = parser.add_argument_group(f"[{sec}]")
         for f in fields(cls):
