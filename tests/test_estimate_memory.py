@@ -72,6 +72,7 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 ZBV = [*PP2, "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]
 DEEPSEEK_V3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
+MTP1 = ["--model.mtp_layers", "1"]
 EIGHT_MICROBATCHES = ["--training.batch_size", "8", "--parallelism.pipeline_parallel_microbatches", "8"]
 
 
@@ -120,9 +121,9 @@ def test_shard_to_shard_counts_an_all_to_all_not_a_gather(rows, rank, expected):
         # checks against the whole step's: composed from 2 of the 8 micro-batches.
         (2, [*ZBV, *EIGHT_MICROBATCHES]),
         (2, [*CP2, "--training.seq_len", "1024", "--training.batch_size", "1"]),
-        (2, [*DEEPSEEK_V3, "--parallelism.expert_parallel_degree", "2"]),
+        (2, [*DEEPSEEK_V3, "--parallelism.expert_parallel_degree", "2", *MTP1]),
     ],
-    ids=["one_process", "fsdp2", "tp2_llama3_vocab", "pp2_zbv", "cp2", "deepseek_v3_ep2"],
+    ids=["one_process", "fsdp2", "tp2_llama3_vocab", "pp2_zbv", "cp2", "deepseek_v3_ep2_mtp"],
 )
 def test_estimate_is_within_10_percent_of_the_measured_peak(nproc, layout):
     """Pipeline ranks hold different stages and micro-batches: each has its own row. ZBV splits
@@ -131,7 +132,8 @@ def test_estimate_is_within_10_percent_of_the_measured_peak(nproc, layout):
     shapes on fake tensors: no memory in a real run). Under CP 2 each rank runs 512 of a sequence's
     1024 tokens and gathers the keys and values of all 1024. DeepSeek-V3's debug model at EP 2 (each
     rank 4 of the 8 experts of its 2 sparse layers, the rest FSDP-sharded over both ranks) weighs MLA's
-    latent and per-head projections, the shared expert and the rows each rank's experts receive."""
+    latent and per-head projections, the shared expert and the rows each rank's experts receive, with a
+    multi-token prediction depth (its block, its logits and loss, the shifted targets)."""
     estimates = estimate(nproc, *layout)
     for params, grads, optimizer, activations, peak in estimates:
         assert abs(params + grads + optimizer + activations - peak) < 0.005
@@ -307,3 +309,13 @@ def test_pipeline_stages_carrying_the_balancing_losses_are_estimated():
     for params, grads, optimizer, activations, peak in ranks:
         assert params > 0 and grads > 0 and optimizer > 0
         assert peak == pytest.approx(params + grads + optimizer + activations, abs=0.005)
+
+
+def test_multi_token_prediction_under_a_pipeline_is_refused_before_any_row():
+    """MTP is estimated (test_estimate_is_within_10_percent_of_the_measured_peak[deepseek_v3_ep2_mtp])
+    but not yet its pipeline stages' extra activation: that one combination is one line, exit 2."""
+    result = run("script", [*JOB, *DEEPSEEK_V3, *MTP1, *PP2, "--validation.enable", "false"], 2)
+    assert result.returncode == 2 and result.stdout == "", result.stdout + result.stderr
+    errors = result.stderr.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: model.mtp_layers: the memory estimator"), errors
+    assert "under pipeline parallelism" in errors[0]
