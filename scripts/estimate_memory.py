@@ -13,10 +13,9 @@ schedule, one rank of each kind runs two micro-batches and every rank's step is 
 actions; otherwise blocks are alike, so a deep model is simulated at three small depths and
 extrapolated. --full simulates the whole step, slowly. The simulations run side by side, one
 process each, on the machine's CPUs. Every layout the trainer runs is covered: FSDP, HSDP, DDP,
-TP, CP, PP (every schedule), activation checkpointing, gradient accumulation, multi-token prediction
-(not yet under PP: one line), and mixtures of experts with expert parallelism (simulated whole: no
-depth extrapolation). Their routing, which fake tensors
-cannot tell, is assumed balanced (torchtitan/memory_estimation/routing.py): each expert takes an
+TP, CP, PP (every schedule), activation checkpointing, gradient accumulation, multi-token prediction,
+and mixtures of experts with expert parallelism (simulated whole: no depth extrapolation). Their
+routing, which fake tensors cannot tell, is assumed balanced (torchtitan/memory_estimation/routing.py): each expert takes an
 equal share of a rank's tokens x top_k rows, and under EP each rank receives tokens x top_k rows;
 --expert-load F (1 <= F <= EP) has the rank's experts receive F times that. Under context
 parallelism each rank runs seq_len / CP tokens and gathers the keys and values of the whole

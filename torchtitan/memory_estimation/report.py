@@ -70,12 +70,6 @@ def estimate(configs: list[JobConfig], world_size: int, full: bool = False, expe
             cfg.parallelism.enable_async_tensor_parallel = False
             notes.append("training.compile was ignored: the figures are for eager mode")
         parallel_dims = check_layout(cfg, world_size, device.type)
-        if cfg.model.mtp_layers and parallel_dims.pp_enabled:  # what its stages pass on: not modelled
-            raise ConfigError(
-                "model.mtp_layers: the memory estimator does not model multi-token prediction under "
-                "pipeline parallelism yet (the shifted embeddings its stages pass on); estimate it without "
-                "PP (--measure runs it), or with mtp_layers 0"
-            )
         notes += [note] if (note := routing_note(cfg, parallel_dims, expert_load)) else []
         jobs.append((cfg, parallel_dims, vocab_size_of(cfg)))
     print(f"Estimated peak memory per rank (GiB) of a steady-state step, {world_size} ranks ({device.type}):")

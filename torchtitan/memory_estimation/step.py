@@ -72,9 +72,15 @@ def pipeline_stage_io(
             output = probe(tokens, skip_output=loss_skips_output(cfg.training))
     # Stage outputs and hidden inputs take gradients (those the stages send back).
     hidden, output = boundary[0].detach().requires_grad_(), output.detach().requires_grad_()
+    carried, last = hidden, output
+    if depths := cfg.model.mtp_layers:  # the shifted tokens' embeddings travel on; each depth its output
+        with fake_mode:
+            embeddings = hidden.detach().unsqueeze(2).expand(-1, -1, depths, -1).clone().requires_grad_()
+            carried = (hidden, embeddings)
+            last = (output, *(output.detach().clone().requires_grad_() for _ in range(depths)))
     return lambda stage_id: (
-        tokens if stage_id == 0 else hidden,
-        output if stage_id == len(layers) - 1 else hidden,
+        tokens if stage_id == 0 else carried,
+        last if stage_id == len(layers) - 1 else carried,
     )
 
 
