@@ -19,9 +19,9 @@ routing, which fake tensors cannot tell, is assumed balanced
 (torchtitan/memory_estimation/routing.py): each expert takes an equal share of a rank's tokens x
 top_k rows, and under EP each rank receives tokens x top_k rows; --expert-load F (1 <= F <= EP) has
 the rank's experts receive F times that. Under context parallelism each rank runs seq_len / CP
-tokens and gathers the keys and values of the whole
-sequence (multi-head latent attention: its latents, expanded on each rank); its attention keeps an
-output and a log-sum-exp per query, as the fused kernels do.
+tokens and gathers the keys and values of the whole sequence (multi-head latent attention: its
+latents, expanded on each rank); its attention keeps an output and a log-sum-exp per query, as the
+fused kernels do.
 
     torchrun --nproc_per_node N scripts/estimate_memory.py --measure --job.config_file F [...]
 
