@@ -11,16 +11,17 @@ with pipeline parallelism each pipeline rank gets a row (their stages and in-fli
 differ). Two shortcuts, exact where they apply (estimate_ranks): with a multi-stage pipeline
 schedule, one rank of each kind runs two micro-batches and every rank's step is composed from its
 actions; otherwise blocks are alike, so a deep model is simulated at three small depths and
-extrapolated. --full simulates the whole step, slowly. The simulations run side by side, one
-process each, on the machine's CPUs. Every layout the trainer runs is covered: FSDP, HSDP, DDP,
-TP, CP, PP (every schedule), activation checkpointing, gradient accumulation, and mixtures of experts
-with expert parallelism (simulated whole: no depth extrapolation). Their routing, which fake tensors
-cannot tell, is assumed balanced (torchtitan/memory_estimation/routing.py): each expert takes an
-equal share of a rank's tokens x top_k rows, and under EP each rank receives tokens x top_k rows;
---expert-load F (1 <= F <= EP) has the rank's experts receive F times that. Under context
-parallelism each rank runs seq_len / CP tokens and gathers the keys and values of the whole
-sequence (multi-head latent attention: its latents, expanded on each rank); its attention keeps an
-output and a log-sum-exp per query, as the fused kernels do.
+extrapolated. --full simulates the whole step, slowly. The simulations run side by side, one process
+each, on the machine's CPUs. Every layout the trainer runs is covered: FSDP, HSDP, DDP, TP, CP, PP
+(every schedule), activation checkpointing, gradient accumulation, multi-token prediction, and
+mixtures of experts with expert parallelism (simulated whole: no depth extrapolation). Their
+routing, which fake tensors cannot tell, is assumed balanced
+(torchtitan/memory_estimation/routing.py): each expert takes an equal share of a rank's tokens x
+top_k rows, and under EP each rank receives tokens x top_k rows; --expert-load F (1 <= F <= EP) has
+the rank's experts receive F times that. Under context parallelism each rank runs seq_len / CP
+tokens and gathers the keys and values of the whole sequence (multi-head latent attention: its
+latents, expanded on each rank); its attention keeps an output and a log-sum-exp per query, as the
+fused kernels do.
 
     torchrun --nproc_per_node N scripts/estimate_memory.py --measure --job.config_file F [...]
 

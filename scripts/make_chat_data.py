@@ -29,7 +29,7 @@ def conversation(chapter: str, turns: int) -> dict[str, list[dict[str, str]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--split", default="train", choices=("train", "validation"))
     parser.add_argument("--corpus", help="default: assets/corpus/kjv/SPLIT.jsonl")
     parser.add_argument("--out", help="default: assets/corpus/kjv_chat/SPLIT.jsonl")

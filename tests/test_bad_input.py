@@ -567,6 +567,19 @@ CASES = [
         env={"WORLD_SIZE": "2"},
     ),
     Case(
+        "[moe] option on a dense model, command line",
+        args("--moe.bias_update_rate", "0.001"),
+        "moe.bias_update_rate: llama3 has no experts, so [moe] options do nothing for it; remove it, or "
+        "use a mixture-of-experts model.name (qwen3_moe, deepseek_v3)",
+    ),
+    Case(
+        "[moe] option on a dense model, recipe (its default value)",
+        with_file(
+            "--job.config_file", "dense.toml", b'[model]\nname = "qwen3"\n[moe]\naux_loss_coef = 0.001\n'
+        ),
+        "moe.aux_loss_coef: qwen3 has no experts, so [moe] options do nothing for it",
+    ),
+    Case(
         "MTP on a family without it",
         args("--model.mtp_layers", "1"),
         "model.mtp_layers: llama3 has no multi-token prediction; use 0, or a model.name that has it "

@@ -1,3 +1,5 @@
+import math
+import re
 import subprocess
 import sys
 from dataclasses import fields
@@ -133,6 +135,22 @@ def test_help_lists_every_option_with_type_and_default():
             assert f"--{section.name}.{option.name}" in text
             assert f"default: {default_of(option)!r}" in text
     assert "(int, default: 10000)" in text
+    # What it trains: every family, not "a Llama model".
+    assert "Llama model" not in text and "llama3, qwen3, qwen3_moe, deepseek_v3 (model.name)" in text
+
+
+def test_make_chat_data_help_says_its_whole_purpose():
+    """Its description is the docstring's first paragraph, not its first line cut mid-sentence."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "make_chat_data.py"), "--help"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    description = " ".join(out.stdout.split("\n\n")[1].split())
+    assert description.startswith("Regenerate the bundled chat set") and description.endswith(
+        "the same file."
+    )
 
 
 def test_every_recipe_parses():
@@ -193,3 +211,87 @@ def test_list_option_rejects_wrong_types(tmp_path, value):
     path = write_toml(tmp_path, f"[parallelism]\npipeline_parallel_split_points = {value}\n")
     with pytest.raises(ConfigError, match=r"pipeline_parallel_split_points: expected list\[str\]"):
         parse_args(["--job.config_file", path])
+
+
+DEBUG_RECIPES = sorted((ROOT / "train_configs").glob("*debug*.toml"))
+# Degrees (world size, dp_replicate, tp, pp, cp; dp_shard the rest) of the layouts the tests and docs run.
+DEBUG_LAYOUTS = [
+    (1, 1, 1, 1, 1),
+    (2, 1, 1, 1, 1),
+    (2, 2, 1, 1, 1),
+    (2, 1, 2, 1, 1),
+    (2, 1, 1, 2, 1),
+    (2, 1, 1, 1, 2),
+    (4, 1, 1, 1, 1),
+    (4, 2, 1, 1, 1),
+    (4, 1, 2, 1, 1),
+    (4, 1, 1, 2, 1),
+    (4, 1, 2, 2, 1),
+    (4, 1, 1, 2, 2),
+    (4, 1, 1, 1, 2),
+    (4, 2, 1, 2, 1),
+    (8, 1, 2, 2, 1),
+    (8, 2, 2, 2, 1),
+    (8, 1, 1, 2, 2),
+    (8, 1, 1, 4, 1),
+]
+
+
+@pytest.mark.parametrize("recipe", DEBUG_RECIPES, ids=lambda path: path.stem)
+def test_every_training_batch_of_a_debug_recipe_validates_on_every_layout(recipe):
+    """The recipes' validation settings compose with every layout: a training.batch_size the training
+    rules accept (validation off) passes them with the recipe's validation on too, pipelines included
+    (the validation batch runs in the training shape, train_step.py), e.g. debug_model.toml's
+    validation.global_batch_size 8 on PP 2 with training.batch_size 4."""
+    import copy
+
+    from torchtitan.config_rules import check_layout
+
+    base = parse_args(["--job.config_file", str(recipe)])
+    assert base.validation.enable, recipe
+    accepted = []
+    for world, replicate, tp, pp, cp in DEBUG_LAYOUTS:
+        for batch_size in range(1, 9):
+            job = copy.deepcopy(base)
+            parallelism = job.parallelism
+            parallelism.data_parallel_replicate_degree, parallelism.tensor_parallel_degree = replicate, tp
+            parallelism.pipeline_parallel_degree, parallelism.context_parallel_degree = pp, cp
+            job.training.batch_size = batch_size
+            job.validation.enable = False
+            try:
+                check_layout(job, world)
+            except ConfigError:
+                continue  # a layout or batch the training rules refuse
+            job.validation.enable = True
+            check_layout(job, world)
+            accepted.append(pp)
+    assert len(accepted) > 40 and accepted.count(2) > 10, accepted
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("-5", -5.0),
+        ("-.5", -0.5),
+        ("-1e-4", -1e-4),
+        ("-1E+3", -1000.0),
+        ("-2.5e3", -2500.0),
+        ("-inf", -math.inf),
+    ],
+)
+def test_negative_numbers_in_any_notation_are_values(text, value):
+    """A negative number after an option is its value, not another option (argparse reads -1e-4, -1E+3
+    and -inf as options by itself): in train.py's options, checked then against their declaration, and
+    in the scripts' own arguments (OneLineParser)."""
+    from torchtitan.config.parser import OneLineParser
+
+    shown = "-inf is not a finite number" if math.isinf(value) else f"{value!r} is below the minimum 0.0"
+    with pytest.raises(ConfigError, match=f"^--optimizer.lr: {re.escape(shown)}$"):
+        parse_args(["--optimizer.lr", text])
+    parser = OneLineParser(prog="script.py")
+    parser.add_argument("--x", type=float)
+    parser.add_argument("positional", nargs="?")
+    assert parser.parse_args(["--x", text]).x == value
+    assert parse_args(["--validation.steps", "-1"]).validation.steps == -1
+    with pytest.raises(ConfigError, match="argument --optimizer.lr: expected one argument"):
+        parse_args(["--optimizer.lr", "-x"])  # not a number: still an option, refused

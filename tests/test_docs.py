@@ -61,3 +61,17 @@ def test_every_link_and_anchor_in_the_docs_resolves():
             elif anchor and path.suffix == ".md" and anchor not in heading_anchors(path):
                 broken.append(f"{page.name} links to {target}#{anchor}, a heading {path.name} lacks")
     assert not broken, "\n".join(broken)
+
+
+def test_the_readme_links_each_objective_to_the_page_that_explains_it():
+    """The README's sentence on DeepSeek-V3's objectives sends each to its own page's section: the
+    sequence-wise balance loss is docs/moe.md's (docs/objectives.md has multi-token prediction)."""
+    readme = (ROOT / "README.md").read_text()
+    for option, page, heading in (
+        ("moe.sequence_aux_loss_coeff", "docs/moe.md", "sequence-wise-balance-loss"),
+        ("model.mtp_layers", "docs/objectives.md", ""),
+    ):
+        after = readme[readme.index(f"(`{option}`") :]
+        target = re.search(r"\]\(([^)]+)\)", after).group(1)
+        assert target == page + (f"#{heading}" if heading else ""), (option, target)
+        assert not heading or heading in heading_anchors(ROOT / page)

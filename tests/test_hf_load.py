@@ -149,6 +149,69 @@ def test_a_hub_folder_missing_a_tensor_is_one_line_naming_it(tmp_path, capsys, h
     assert not (tmp_path / "out").exists()
 
 
+LLAMA31_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+# (family, flavour RoPE-scaled) -> config.json edits of its export and what the refusal says of each.
+ROPE_EDITS = {
+    ("llama3", False): [  # a Llama 3.1 folder for a Llama 3 flavour, another theta
+        (dict(rope_scaling=LLAMA31_SCALING), "rope_type llama3, the flavour default"),
+        (dict(rope_theta=10000.0), "rope_theta 10000.0, the flavour 500000.0"),
+    ],
+    ("llama3", True): [  # each way a Llama 3.1 folder can differ from the 3.1 flavours
+        (dict(rope_scaling=None), "rope_type default, the flavour llama3"),
+        (dict(rope_scaling={**LLAMA31_SCALING, "factor": 16.0}), "factor 16.0, the flavour 8.0"),
+        (
+            dict(rope_scaling={**LLAMA31_SCALING, "high_freq_factor": 2}),
+            "high_freq_factor 2, the flavour 4.0",
+        ),
+        (
+            dict(rope_scaling={**LLAMA31_SCALING, "original_max_position_embeddings": 4096}),
+            "original_max_position_embeddings 4096, the flavour 8192",
+        ),
+    ],
+    ("qwen3", False): [(dict(rope_theta=500000.0), "rope_theta 500000.0, the flavour 1000000.0")],
+    ("qwen3_moe", False): [
+        (
+            dict(
+                rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+            ),
+            "rope_type yarn, the flavour default",
+        ),
+    ],
+}
+
+
+@pytest.mark.parametrize("name, scaled", ROPE_EDITS)
+def test_a_folder_with_other_rope_is_refused(tmp_path, name, scaled):
+    """The export's folder, its config.json's RoPE edited: one line naming the field, the folder's value
+    and the flavour's, before any weight is read (DeepSeek-V3's YaRN: test_deepseek_v3.py)."""
+    job = parse_args([*ONE_STEP, *FAMILIES[name]])
+    args = build_model_args(job, Tokenizer(TOKENIZER).n_words)
+    args = replace(args, use_scaled_rope=True) if scaled else args
+    dcp.save(
+        {"model": random_model(args, name).state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True
+    )
+    export_hf(str(tmp_path / "dcp"), str(tmp_path / "hf"), args, name=name)
+    with torch.device("meta"):
+        model = MODEL_SPECS[name].build(args)
+    config_path = tmp_path / "hf" / "config.json"
+    config = json.loads(config_path.read_text())
+    MODEL_SPECS[name].hf().check_flavor(config, args, "the export")  # as exported: the flavour's RoPE
+    for edit, message in ROPE_EDITS[name, scaled]:
+        config_path.write_text(json.dumps({**config, **edit}))
+        with pytest.raises(
+            ConfigError, match=f"model.flavor: {tmp_path / 'hf'}'s config.json has RoPE {message};"
+        ):
+            load_hf_weights(model, str(tmp_path / "hf"), job.model, args)
+
+
 def folder_bytes(folder: Path) -> dict[str, bytes]:
     """Every file under `folder` and its bytes: a refused input must be left byte for byte as it was."""
     return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}

@@ -17,7 +17,12 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from torchtitan.models import init as init_lib
 from torchtitan.models.llama import ModelArgs, llama2_configs, llama3_configs
-from torchtitan.models.llama.model import Transformer, apply_rotary_emb, precompute_freqs_cis
+from torchtitan.models.llama.model import (
+    Transformer,
+    apply_rotary_emb,
+    precompute_freqs_cis,
+    rope_frequencies,
+)
 
 TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=64)
 # Odd vocab (131) and SwiGLU hidden dim (int(1.3 * 106) = 137): uneven shards over 2 ranks.
@@ -189,6 +194,51 @@ def test_scaled_rope_slows_only_low_frequencies():
     scaled = precompute_freqs_cis(128, 2, 500000.0, use_scaled=True).angle()[1]
     assert torch.equal(scaled[:10], plain[:10])
     torch.testing.assert_close(scaled[-10:], plain[-10:] / 8)
+
+
+# Llama 3.1's published config.json (the 8B's, 70B's and 405B's RoPE alike).
+LLAMA31_ROPE = dict(
+    rope_theta=500000.0,
+    rope_scaling={
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    max_position_embeddings=131072,
+)
+
+
+@pytest.mark.parametrize("flavor", ["3.1_8B", "3.1_70B", "405B"])
+def test_llama31_rope_is_transformers(flavor):
+    """The Llama 3.1 flavours' RoPE, from their arguments only (no model built): the inverse frequencies
+    of transformers' "llama3" rope_type for the published config, and the cos/sin of positions across
+    the original 8K context and beyond it, within 1e-6."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    args = llama3_configs[flavor]
+    config = transformers.LlamaConfig(
+        hidden_size=args.dim,
+        num_attention_heads=args.n_heads,
+        num_key_value_heads=args.n_kv_heads,
+        head_dim=128,
+        **LLAMA31_ROPE,
+    )
+    assert args.head_dim == 128 and args.rope_theta == 500000
+    theirs, attention_factor = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    ours = rope_frequencies(args.head_dim, args.rope_theta, args.use_scaled_rope)
+    assert attention_factor == 1.0
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
+
+    positions = torch.tensor([0, 1, 2, 100, 4095, 8191, 8192, 20000, 131071])
+    cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1, 1, dtype=torch.float32), positions[None])
+    # Our table (pairs' rotations) against transformers' halves: cos of features 0..63, then again.
+    table = precompute_freqs_cis(args.head_dim, 131072, args.rope_theta, args.use_scaled_rope)[positions]
+    torch.testing.assert_close(table.real, cos[0, :, :64], atol=1e-6, rtol=0)
+    torch.testing.assert_close(table.imag, sin[0, :, :64], atol=1e-6, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -169,7 +169,20 @@ def test_default_microbatches_is_the_number_of_stages():
 # End-to-end under torchrun: 1 process with batch 4 against pipeline layouts with the same global
 # batch. name: (processes, per-rank batch, overrides).
 LAYOUTS = {
-    "gpipe": (2, 4, ["--parallelism.pipeline_parallel_schedule", "GPipe"]),
+    # Batches of 3 sequences, validated on 4 (launch.VALIDATION_BATCH's, the references'): the schedule
+    # evaluates them in the training shape, 3 and then 1 filled up with 2 rows without targets.
+    "gpipe": (
+        2,
+        3,
+        [
+            "--parallelism.pipeline_parallel_schedule",
+            "GPipe",
+            "--parallelism.pipeline_parallel_microbatches",
+            "3",
+            "--validation.batch_size",
+            "4",
+        ],
+    ),
     # 1F1B with 4 micro-batches and Interleaved1F1B with split points: test_parity.py's Qwen3 layouts.
     "looped_bfs": (2, 4, ["--parallelism.pipeline_parallel_schedule", "LoopedBFS"]),
     # With the chunked loss: the last stage outputs its final hidden states, its loss projects them.
@@ -205,9 +218,15 @@ def check(result):
 
 @pytest.fixture(scope="module")
 def single_process(reference_run):
-    """1 process with batch 4, validated (VALIDATION): conftest.py's reference_run, shared."""
-    metrics = reference_run(4)
-    return metrics, {m["step"]: m["validation_loss"] for m in metrics if m["validation_loss"] is not None}
+    """`single_process(global_batch)`: 1 process with that batch, validated (VALIDATION) on a global
+    batch of 4: conftest.py's reference_run, shared."""
+
+    def get(global_batch: int) -> tuple[list[dict], dict[int, float]]:
+        metrics = reference_run(global_batch)
+        validation = {m["step"]: m["validation_loss"] for m in metrics if m["validation_loss"] is not None}
+        return metrics, validation
+
+    return get
 
 
 def pipeline_args(layout: str) -> list[str]:
@@ -238,7 +257,9 @@ def test_pipeline_matches_single_process(tmp_path, single_process, layout, reque
     else:
         extra = VALIDATION if validated else []
         check(run_train(LAYOUTS[layout][0], tmp_path, *pipeline_args(layout), *extra))
-    single_process, single_validation = single_process
+    nproc, batch, overrides = LAYOUTS[layout]
+    dp = nproc // 2 // (2 if "--parallelism.tensor_parallel_degree" in overrides else 1)
+    single_process, single_validation = single_process(batch * dp)
     pipelined = read_metrics(tmp_path)
     if validated:
         validation = validation_losses(tmp_path)

@@ -130,7 +130,8 @@ def check_tied_pipeline(job_config: JobConfig, model_args: ModelArgs) -> None:
 
 
 def check_moe(job_config: JobConfig, parallel_dims: ParallelDims, model_args: ModelArgs) -> None:
-    """Expert parallelism splits a mixture-of-experts model's experts evenly; what such a model cannot run
+    """A dense model has no expert parallelism nor [moe] option set (it would be ignored silently).
+    Expert parallelism splits a mixture-of-experts model's experts evenly; what such a model cannot run
     with yet: TP without FSDP (its layers' gradients are summed over the tp ranks by FSDP), and its
     auxiliary losses under PP with replicas alone (the stages pass their statistics on through FSDP's
     unit, parallelisms/pipeline.py)."""
@@ -140,6 +141,12 @@ def check_moe(job_config: JobConfig, parallel_dims: ParallelDims, model_args: Mo
             raise ConfigError(
                 f"parallelism.expert_parallel_degree: {name} has no experts to split; use 1 (or a "
                 "mixture-of-experts model.name such as qwen3_moe)"
+            )
+        if moe_options := sorted(key for key in job_config.explicit if key.startswith("moe.")):
+            families = ", ".join(family for family, spec in MODEL_SPECS.items() if spec.moe)
+            raise ConfigError(
+                f"{moe_options[0]}: {name} has no experts, so [moe] options do nothing for it; remove it, "
+                f"or use a mixture-of-experts model.name ({families})"
             )
         return
     if model_args.top_k > model_args.num_experts:
@@ -218,7 +225,8 @@ def check_pipeline(job_config: JobConfig, n_layers: int) -> None:
 
 
 def check_validation(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
-    """Pipeline stages run the training batch's micro-batch shape, and V schedules cannot evaluate."""
+    """No count of 0, a validation batch that divides over the DP ranks, and no V schedule evaluating
+    (any batch size evaluates under a pipeline: train_step.py runs it in the training batch's shape)."""
     validation = job_config.validation
     for option in ("steps", "batch_size", "global_batch_size"):
         if getattr(validation, option) == 0:
@@ -229,15 +237,7 @@ def check_validation(job_config: JobConfig, parallel_dims: ParallelDims) -> None
             f"validation.enable: torch's pipeline evaluation (schedule.eval) cannot run {schedule} "
             "(its V-shaped stages expect a backward); pick another schedule or set validation.enable = false"
         )
-    batch_size = validation_batch_size(job_config, parallel_dims.dp_degree)
-    training_batch_size = job_config.training.batch_size
-    if validation.enable and parallel_dims.pp_enabled and batch_size != training_batch_size:
-        option = "global_batch_size" if validation.global_batch_size != -1 else "batch_size"
-        raise ConfigError(
-            f"validation.{option}: {getattr(validation, option)} gives {batch_size} sequences per rank, not "
-            f"training.batch_size's {training_batch_size}, and pipeline stages run one micro-batch shape; "
-            "set it to -1 with pipeline parallelism"
-        )
+    validation_batch_size(job_config, parallel_dims.dp_degree)
 
 
 def validation_batch_size(job_config: JobConfig, dp_degree: int) -> int:

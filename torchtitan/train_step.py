@@ -158,6 +158,7 @@ class TrainStep:
                 pipeline.sequence_loss = load_balance.sequence_aux_loss
         self.device = device
         self.grad_accum_steps = gradient_accumulation_steps(training_config, parallel_dims)
+        self.batch_rows = training_config.batch_size  # a pipeline schedule's batch (its stages' shapes)
         # Multi-token prediction (torchtitan/models/mtp.py): its depths' targets, counted over the step.
         self.mtp_depths = getattr(model_args, "mtp_layers", 0)
         self.mtp_loss_weight = mtp_loss_weight
@@ -410,12 +411,34 @@ class TrainStep:
                 self._set_loss_denominator(torch.ones((), device=self.device))
                 self.evaluated_trained_tokens += int((batch[1] != IGNORE_INDEX).sum())
             with self.loss_context():
+                if self.pipeline is not None and batch[0].shape[0] != self.batch_rows:
+                    losses.append(self._pipeline_evaluate_rows(batch, chat=len(batch) > 2))
+                    continue
                 # A pipeline's stages pass the depths' embeddings on in every schedule, eval's too.
                 losses.append(self._forward_loss(*self._on_device(batch, mtp=self.pipeline is not None)))
         self._set_loss_denominator(denominator)
         for part, mode in zip(self.model_parts, modes):
             part.train(mode)
         return torch.stack(losses).sum(), len(losses)
+
+    def _pipeline_evaluate_rows(self, batch: Batch, chat: bool) -> torch.Tensor:
+        """A validation batch of another size than training's through the pipeline, whose stages run
+        the training batch's shape: as schedule evaluations of training.batch_size rows each, the last
+        filled up with rows without targets. Chat data: the summed loss, as evaluate's; else the mean
+        over the batch's tokens (a context-parallel rank's share), as a batch of the training shape's."""
+        denominator, total = self.loss_denominator, torch.zeros((), device=self.device)
+        self._set_loss_denominator(torch.ones((), device=self.device))  # each run's summed loss
+        for start in range(0, batch[0].shape[0], self.batch_rows):
+            part = [t[start : start + self.batch_rows] for t in batch]
+            if missing := self.batch_rows - part[0].shape[0]:
+                part = [torch.cat([t, t[:1].expand(missing, *t.shape[1:])]) for t in part]
+                part[1][-missing:] = IGNORE_INDEX
+            total += self._forward_loss(*self._on_device(tuple(part), mtp=True))
+        self._set_loss_denominator(denominator)
+        if chat:
+            return total
+        shares = self.cp_mesh.size() if self.cp_mesh is not None else 1
+        return total * shares / int((batch[1] != IGNORE_INDEX).sum())
 
     def _forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict) -> torch.Tensor:
         if self.pipeline is None:

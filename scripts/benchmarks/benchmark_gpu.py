@@ -198,7 +198,7 @@ def print_table(results: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="folder for each part's log and results.json")
     parser.add_argument("--budget", type=float, default=480, help="seconds for all parts together")
     parser.add_argument("--only", help="comma-separated parts, in the given order")

@@ -319,7 +319,7 @@ def load_hf_weights(
     """The Hugging Face folder's weights into this rank's `model` (its parts merged), whatever the
     layout; checked first against the whole model `model_args` builds (the same on every rank), one line
     each: the family, every tensor the model has present with its shape, none of the folder's left
-    out but those `SKIPPED`, and, where the family's adapter checks it (`check_flavor`), config.json's
+    out but those `SKIPPED`, and, as the family's adapter checks it (`check_flavor`), config.json's
     other settings. Returns the reader (its `bytes_read`)."""
     mtp_layers = getattr(model_args, "mtp_layers", 0)
     reader = HFReader(path, "checkpoint.initial_load_path", model_config.name, mtp_layers=mtp_layers)
@@ -359,8 +359,7 @@ def load_hf_weights(
             f"{reader.config['num_hidden_layers']} layers, the flavour's {model_args.n_layers}); set "
             "model.flavor to the folder's"
         )
-    if hasattr(reader.adapter, "check_flavor"):  # what config.json sets beyond the shapes
-        reader.adapter.check_flavor(reader.config, model_args, path)
+    reader.adapter.check_flavor(reader.config, model_args, path)  # what config.json sets beyond the shapes
     if reader.skipped:
         logger.info(
             f"Not loading tensors of {path} that this model has no place for: {reader.skipped_summary()}"

@@ -3,7 +3,7 @@ parser, the command-line overrides, `--help` and validation (torchtitan/config/p
 """
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from torchtitan.config.chat_options import ChatConfig
 from torchtitan.config.declare import ConfigError, default_of, opt
@@ -458,6 +458,9 @@ class JobConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     float8: Float8Config = field(default_factory=Float8Config)
     chat: ChatConfig = field(default_factory=ChatConfig)
+    # The options the recipe or the command line set ("section.key"; parse_args), whatever their value:
+    # rules refuse those set where they do nothing (the [moe] section on a dense model). Not an option.
+    explicit: ClassVar[frozenset[str]] = frozenset()
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {

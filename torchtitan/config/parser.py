@@ -7,7 +7,9 @@ Precedence: command line > TOML file > declared default.
 import argparse
 import difflib
 import math
+import re
 import sys
+import textwrap
 import types
 import typing
 from dataclasses import fields
@@ -107,14 +109,31 @@ def _option_table() -> dict[str, tuple[str, str, Any, dict]]:
     }
 
 
+# A negative number in any notation Python reads (-5, -.5, -1e-4, -1E+3, -inf): argparse's own pattern
+# (-5, -.5) leaves the others to be read as options ("--optimizer.lr -1e-4": expected one argument).
+NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|-(inf|infinity|nan)", re.IGNORECASE)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse under the one-line contract (train.py's options and every script's own): a bad
     argument is a ConfigError, which errors.run_with_exit_codes reports in one line with exit code 2,
-    not argparse's usage block."""
+    not argparse's usage block. A negative number is a value, whatever its notation."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # argparse (3.11 to 3.14) tells a negative number from an option by this matcher alone.
+        self._negative_number_matcher = _FullMatch(NEGATIVE_NUMBER)
 
     def error(self, message: str) -> typing.NoReturn:
         # One line, even for an argument with a newline.
         raise ConfigError(f"{' '.join(message.split())}; see {self.prog} --help")
+
+
+class _FullMatch:
+    """A pattern whose `match` is its `fullmatch`, as argparse calls it."""
+
+    def __init__(self, pattern: re.Pattern) -> None:
+        self.match = pattern.fullmatch
 
 
 def positive_int(value: str) -> int:
@@ -125,15 +144,20 @@ def positive_int(value: str) -> int:
 
 
 def _build_arg_parser() -> OneLineParser:
+    table = _option_table()
+    families = ", ".join(table["model.name"][3]["choices"])
     parser = OneLineParser(
         prog="train.py",
         usage="train.py [--job.config_file FILE] [--section.key VALUE | --section.key=VALUE ...]",
-        description="Pre-train a Llama model. Options come from the TOML file given by --job.config_file, "
-        "overridden by any --section.key VALUE given here.",
+        description=textwrap.fill(
+            f"Train a language model of one of the families {families} (model.name), from scratch or "
+            "from a checkpoint, on any layout. Options come from the TOML file given by --job.config_file "
+            "(a recipe in train_configs/), overridden by any --section.key VALUE given here.",
+            100,
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    table = _option_table()
     for sec, cls in _sections().items():
         group = parser.add_argument_group(f"[{sec}]")
         for f in fields(cls):
@@ -166,6 +190,8 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     toml_data = load_toml(config_file) if config_file else {}
     config = from_dict(toml_data)
     config.job.config_file = config_file
+    in_file = {f"{sec}.{name}" for sec, values in toml_data.items() for name in values}
+    config.explicit = frozenset(in_file | set(overrides))
     for key, text in overrides.items():
         sec, name, tp, meta = table[key]
         value = _check_value(f"--{key}", _parse_cli_value(key, text, tp), tp, meta)

@@ -26,6 +26,8 @@ def layout_of(cfg: JobConfig, parallel_dims: ParallelDims) -> str:
     text = " ".join(f"{name}={d}" for name, d in degrees if d > 1) or "1 rank"
     if cfg.activation_checkpoint.mode != "none":
         text += f" ac={cfg.activation_checkpoint.mode}"
+    if cfg.model.mtp_layers:
+        text += f" mtp={cfg.model.mtp_layers}"
     return f"{text} bs={cfg.training.batch_size}x{cfg.training.seq_len} {cfg.training.mixed_precision_param}"
 
 

@@ -72,9 +72,15 @@ def pipeline_stage_io(
             output = probe(tokens, skip_output=loss_skips_output(cfg.training))
     # Stage outputs and hidden inputs take gradients (those the stages send back).
     hidden, output = boundary[0].detach().requires_grad_(), output.detach().requires_grad_()
+    carried, last = hidden, output
+    if depths := cfg.model.mtp_layers:  # the shifted tokens' embeddings travel on; each depth its output
+        with fake_mode:
+            embeddings = hidden.detach().unsqueeze(2).expand(-1, -1, depths, -1).clone().requires_grad_()
+            carried = (hidden, embeddings)
+            last = (output, *(output.detach().clone().requires_grad_() for _ in range(depths)))
     return lambda stage_id: (
-        tokens if stage_id == 0 else hidden,
-        output if stage_id == len(layers) - 1 else hidden,
+        tokens if stage_id == 0 else carried,
+        last if stage_id == len(layers) - 1 else carried,
     )
 
 
@@ -101,11 +107,6 @@ def build_step(
     """The rank's model parts and optimizer, built as train.py builds them, and its step (the
     trainer's own TrainStep). With `fake_mode` the parameters are fake tensors (run the step under
     it too); `n_layers` overrides the flavour's depth."""
-    if cfg.model.mtp_layers:  # its host-side targets and the pipeline's extra activation: not modelled
-        raise ConfigError(
-            "model.mtp_layers: the memory estimator does not model multi-token prediction yet; estimate "
-            "with mtp_layers 0 (each depth adds about one block, docs/objectives.md)"
-        )
     # Fake tensors hold no token ids, so no documents: block_causal is estimated as causal (the same
     # activations but one copy of each layer's attention output, docs/attention.md).
     causal = replace(cfg, model=replace(cfg.model, attn_mask_type="causal"))
@@ -141,7 +142,18 @@ def build_step(
         load_balance = LoadBalance(model_parts, cfg.moe, dp_cp_mesh, pp_mesh)
     # Under context parallelism the step takes each rank's tokens of the whole (batch, seq_len) batch.
     cp_mesh = world_mesh["cp"] if parallel_dims.cp_enabled else None
-    train_step = TrainStep(model_parts, pipeline, parallel_dims, cfg.training, device, load_balance, cp_mesh)
+    # Multi-token prediction: its depths' targets are shifted on the host, each depth's loss is the
+    # trainer's; the targets' count needs no dp mesh here (its values do not matter).
+    train_step = TrainStep(
+        model_parts,
+        pipeline,
+        parallel_dims,
+        cfg.training,
+        device,
+        load_balance,
+        cp_mesh,
+        mtp_loss_weight=cfg.model.mtp_loss_weight,
+    )
     # Later micro-batches of an accumulation are alike: the first and the last stand for them all.
     microbatches = min(train_step.grad_accum_steps, 2)
     shape = (cfg.training.batch_size, cfg.training.seq_len)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from torchtitan.config.options import ConfigError
 from torchtitan.models.spec import ModelArgs
 
 # Tensors of HF folders that no family here has a place for, left out by name (the reader says which):
@@ -161,3 +162,42 @@ def expected_tensors(
             own += DENSE_MLP
         names += [f"model.layers.{layer}.{name}" for name in own]
     return names
+
+
+# The fields of each RoPE type a config.json may name (transformers' rope_type), beyond rope_theta.
+ROPE_FIELDS = {
+    "default": (),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+    ),
+}
+
+
+def rope_settings(config: dict) -> dict:
+    """A config.json's RoPE: rope_type, rope_theta and the type's fields, read from `rope_parameters`
+    (transformers 5) or `rope_scaling` and `rope_theta` (the Hub's), with transformers' defaults."""
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    fields = {key: rope.get(key) for key in ROPE_FIELDS.get(rope_type, ())}
+    return {"rope_type": rope_type, "rope_theta": float(theta), **fields}
+
+
+def check_rope(config: dict, flavour_config: dict, where: str) -> None:
+    """The folder's config.json (`config`) rotates as the flavour does (`flavour_config`: what the export
+    writes for it), else one line naming the first field that differs: a Llama 3 folder for a Llama 3.1
+    flavour would train, and generate, with other positions than the folder's."""
+    theirs, ours = rope_settings(config), rope_settings(flavour_config)
+    fields = sorted((ours.keys() | theirs.keys()) - {"rope_type", "rope_theta"})
+    for key in ["rope_type", "rope_theta", *fields]:
+        if ours.get(key) != theirs.get(key):
+            raise ConfigError(
+                f"model.flavor: {where}'s config.json has RoPE {key} {theirs.get(key)}, the flavour "
+                f"{ours.get(key)}; set model.flavor to one with the folder's RoPE"
+            )

@@ -32,7 +32,10 @@ from torchtitan.parallelisms.pipeline_layout import (
 )
 
 # A stage id's example micro-batch input and output (for stages that cannot learn the shapes by messages).
-StageIO = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+# A stage id -> its example micro-batch input and output: a tensor, or a tuple of them (multi-token
+# prediction's stages pass the shifted tokens' embeddings on beside the hidden states, its last stage
+# outputs each depth's logits beside the model's).
+StageIO = Callable[[int], tuple[Any, Any]]
 # The loss of the last stage's micro-batch output against its labels, given the last stage's model
 # (None on ranks without it, where it is never called): the chunked loss projects with its weight.
 StageLoss = Callable[[nn.Module | None, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -162,6 +165,11 @@ class RouterStatsStage(nn.Module):
         return (*(out if isinstance(out, tuple) else (out,)), *stats)
 
 
+def _tensors(example: Any) -> tuple[torch.Tensor, ...]:
+    """A stage's example input or output as a tuple of tensors."""
+    return example if isinstance(example, tuple) else (example,)
+
+
 def build_pipeline(
     model: nn.Module,
     world_mesh: DeviceMesh,
@@ -212,12 +220,13 @@ def build_pipeline(
             if stage_io:
                 num_experts = model.model_args.num_experts
                 # The float statistics carry gradients back, as the activations do.
-                counts = outputs.new_zeros(num_experts, dtype=torch.int64)
-                prob_sums = outputs.new_zeros(num_experts).requires_grad_()
-                loss = outputs.new_zeros(1).requires_grad_()
+                like = _tensors(outputs)[0]
+                counts = like.new_zeros(num_experts, dtype=torch.int64)
+                prob_sums = like.new_zeros(num_experts).requires_grad_()
+                loss = like.new_zeros(1).requires_grad_()
                 stats = ((counts, prob_sums) if pooled else ()) + ((loss,) if sequence else ())
-                inputs = inputs if is_first else (inputs, *stats)
-                outputs = (outputs, *stats)
+                inputs = inputs if is_first else (*_tensors(inputs), *stats)
+                outputs = (*_tensors(outputs), *stats)
         stages.append(
             _Stage(module, stage_id, len(layers), device, inputs, outputs, group=pp_mesh.get_group())
         )

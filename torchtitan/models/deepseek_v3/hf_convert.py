@@ -27,6 +27,7 @@ from torchtitan.models.hf_convert import (
     experts_from_hf,
     experts_to_hf,
     from_hf_names,
+    rope_settings,
     to_hf_names,
 )
 from torchtitan.models.llama.hf_convert import NAMES as LLAMA_NAMES
@@ -167,29 +168,14 @@ _HF_DEFAULTS = {
     "norm_topk_prob": True,
     "routed_scaling_factor": 2.5,
     "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
 }
-_YARN_KEYS = (
-    "factor",
-    "original_max_position_embeddings",
-    "beta_fast",
-    "beta_slow",
-    "mscale",
-    "mscale_all_dim",
-)
 
 
 def _settings(config: dict) -> dict:
     """What a config.json sets that the weights' shapes do not show, with transformers' defaults, its
-    RoPE read from `rope_parameters` (transformers 5) or `rope_scaling` and `rope_theta` (the Hub's)."""
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    theta = rope.get("rope_theta", config.get("rope_theta", _HF_DEFAULTS["rope_theta"]))
+    RoPE as `rope_settings` reads it."""
     settings = {key: config.get(key, default) for key, default in _HF_DEFAULTS.items()}
-    settings.update(rope_type=rope_type, rope_theta=float(theta))
-    if rope_type == "yarn":
-        settings.update({key: rope.get(key) for key in _YARN_KEYS})
-    return settings
+    return {**settings, **rope_settings(config)}
 
 
 def check_flavor(config: dict, model_args: DeepSeekV3ModelArgs, where: str) -> None:

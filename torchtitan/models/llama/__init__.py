@@ -1,4 +1,4 @@
-"""Llama 2 and Llama 3 (3.1): the model's arguments and the families' standard sizes (flavours).
+"""Llama 2, Llama 3 and Llama 3.1: the model's arguments and the families' standard sizes (flavours).
 
 Importing this package does not import torch, so the preflight can check a flavour; the model
 itself is `torchtitan.models.llama.model.Transformer`. `vocab_size` is left at -1 in every
@@ -6,6 +6,16 @@ flavour: the trainer sets it from the tokenizer.
 """
 
 from dataclasses import dataclass, replace
+
+# Llama 3.1's RoPE scaling (model._scale_rope_freqs), in transformers' terms: the published config.json's
+# rope_scaling, which the export writes and the Hugging Face reader compares.
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 @dataclass
@@ -91,6 +101,7 @@ llama3_configs = {
         multiple_of=4096,
         rope_theta=500000,
     ),
+    # Llama 3.1 405B (there was no Llama 3 405B): RoPE scaled as in its published config.json.
     "405B": ModelArgs(
         dim=16384,
         n_layers=126,
@@ -99,8 +110,10 @@ llama3_configs = {
         ffn_dim_multiplier=1.2,
         multiple_of=4096,
         rope_theta=500000,
+        use_scaled_rope=True,
     ),
 }
-# Llama 3.1 8B: 8B's shape, its RoPE frequencies scaled for a 128K context
-# (train_configs/llama3_8b_128k.toml).
+# Llama 3.1 8B and 70B: Llama 3's shapes, their RoPE frequencies scaled for a 128K context
+# (train_configs/llama3_8b_128k.toml); 8B and 70B stay Llama 3's, unscaled.
 llama3_configs["3.1_8B"] = replace(llama3_configs["8B"], use_scaled_rope=True)
+llama3_configs["3.1_70B"] = replace(llama3_configs["70B"], use_scaled_rope=True)

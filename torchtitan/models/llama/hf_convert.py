@@ -11,12 +11,13 @@ import torch
 
 from torchtitan.models.hf_convert import (
     RowOrder,
+    check_rope,
     decoder_config,
     expected_tensors,
     from_hf_names,
     to_hf_names,
 )
-from torchtitan.models.llama import ModelArgs
+from torchtitan.models.llama import LLAMA3_ROPE_SCALING, ModelArgs
 
 MODEL_TYPE = "llama"
 
@@ -34,15 +35,6 @@ NAMES = {
     "layers.{}.feed_forward.w2.weight": "model.layers.{}.mlp.down_proj.weight",
     "layers.{}.attention_norm.weight": "model.layers.{}.input_layernorm.weight",
     "layers.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
-}
-
-# Llama 3.1's RoPE scaling, as applied by model._scale_rope_freqs, in HF's terms.
-LLAMA3_ROPE_SCALING = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
 }
 
 
@@ -98,7 +90,7 @@ def hf_config(
     return {
         "model_type": MODEL_TYPE,
         **decoder_config(model_args, state_dict, max_position_embeddings, dtype),
-        "rope_scaling": dict(LLAMA3_ROPE_SCALING) if model_args.use_scaled_rope else None,
+        **_rope(model_args),
         "mlp_bias": False,
     }
 
@@ -109,3 +101,14 @@ ATTENTION = tuple(f"self_attn.{p}_proj.weight" for p in "qkvo")
 def hf_tensors(config: dict, mtp_layers: int = 0) -> list[str]:
     """Every tensor a LlamaForCausalLM folder of `config` holds (hf_reader.py refuses one missing)."""
     return expected_tensors(config, config["num_hidden_layers"], ATTENTION)
+
+
+def check_flavor(config: dict, model_args: ModelArgs, where: str) -> None:
+    """The folder's RoPE (rope_theta, rope_scaling) is the flavour's: Llama 3's and 3.1's have one shape."""
+    check_rope(config, _rope(model_args), where)
+
+
+def _rope(model_args: ModelArgs) -> dict:
+    """config.json's RoPE keys for the flavour."""
+    scaling = dict(LLAMA3_ROPE_SCALING) if model_args.use_scaled_rope else None
+    return {"rope_theta": float(model_args.rope_theta), "rope_scaling": scaling}

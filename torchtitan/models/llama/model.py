@@ -19,12 +19,16 @@ from torchtitan.models.documents import (
     prepare_block_mask,
 )
 from torchtitan.models.init import normal_, ones_, seeded_init, trunc_normal_
-from torchtitan.models.llama import ModelArgs
+from torchtitan.models.llama import LLAMA3_ROPE_SCALING, ModelArgs
 
 
 def _scale_rope_freqs(freqs: torch.Tensor) -> torch.Tensor:
-    """Llama 3.1 RoPE scaling: slow down low frequencies 8x, keep high ones, blend between."""
-    scale_factor, low_freq_factor, high_freq_factor, old_context_len = 8.0, 1.0, 4.0, 8192
+    """Llama 3.1 RoPE scaling (`LLAMA3_ROPE_SCALING`): slow down low frequencies 8x, keep high ones,
+    blend between, as transformers' "llama3" rope_type."""
+    scaling = LLAMA3_ROPE_SCALING
+    scale_factor, low_freq_factor = scaling["factor"], scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
     low_freq_wavelen = old_context_len / low_freq_factor
     high_freq_wavelen = old_context_len / high_freq_factor
     wavelen = 2 * math.pi / freqs
@@ -34,13 +38,19 @@ def _scale_rope_freqs(freqs: torch.Tensor) -> torch.Tensor:
     return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
 
 
+def rope_frequencies(
+    dim: int, theta: float, use_scaled: bool = False, device: torch.device | None = None
+) -> torch.Tensor:
+    """RoPE's inverse frequencies (dim // 2,) of a head of `dim` features: transformers' inv_freq."""
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device)[: dim // 2].float() / dim))
+    return _scale_rope_freqs(freqs) if use_scaled else freqs
+
+
 def precompute_freqs_cis(
     dim: int, end: int, theta: float = 10000.0, use_scaled: bool = False, device: torch.device | None = None
 ) -> torch.Tensor:
     """Complex64 rotations e^{i * pos * freq} of shape (end, dim // 2) for positions 0..end-1."""
-    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device)[: dim // 2].float() / dim))
-    if use_scaled:
-        freqs = _scale_rope_freqs(freqs)
+    freqs = rope_frequencies(dim, theta, use_scaled, device)
     t = torch.arange(end, device=device, dtype=torch.float32)
     freqs = torch.outer(t, freqs)
     return torch.polar(torch.ones_like(freqs), freqs)

@@ -6,7 +6,13 @@ reordered. Llama's names plus the per-head q/k norms; a tied model's HF files ha
 
 import torch
 
-from torchtitan.models.hf_convert import decoder_config, expected_tensors, from_hf_names, to_hf_names
+from torchtitan.models.hf_convert import (
+    check_rope,
+    decoder_config,
+    expected_tensors,
+    from_hf_names,
+    to_hf_names,
+)
 from torchtitan.models.llama.hf_convert import ATTENTION as LLAMA_ATTENTION
 from torchtitan.models.llama.hf_convert import NAMES as LLAMA_NAMES
 from torchtitan.models.qwen3 import Qwen3ModelArgs
@@ -55,3 +61,8 @@ ATTENTION = (*LLAMA_ATTENTION, "self_attn.q_norm.weight", "self_attn.k_norm.weig
 def hf_tensors(config: dict, mtp_layers: int = 0) -> list[str]:
     """Every tensor a Qwen3ForCausalLM folder of `config` holds (hf_reader.py refuses one missing)."""
     return expected_tensors(config, config["num_hidden_layers"], ATTENTION)
+
+
+def check_flavor(config: dict, model_args: Qwen3ModelArgs, where: str) -> None:
+    """The folder's RoPE is the flavour's: rope_theta, and no rope_scaling (ours has none)."""
+    check_rope(config, {"rope_theta": model_args.rope_theta, "rope_scaling": None}, where)

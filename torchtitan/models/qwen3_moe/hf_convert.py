@@ -12,6 +12,7 @@ converted HF model starts with a zero bias.
 import torch
 
 from torchtitan.models.hf_convert import (
+    check_rope,
     decoder_config,
     expected_tensors,
     experts_from_hf,
@@ -83,3 +84,8 @@ def hf_tensors(config: dict, mtp_layers: int = 0) -> list[str]:
     return expected_tensors(
         config, config["num_hidden_layers"], ATTENTION, sparse, ("mlp.gate.weight",), experts
     )
+
+
+def check_flavor(config: dict, model_args: Qwen3MoeModelArgs, where: str) -> None:
+    """The folder's RoPE is the flavour's: rope_theta, and no rope_scaling (ours has none)."""
+    check_rope(config, {"rope_theta": model_args.rope_theta, "rope_scaling": None}, where)
