@@ -121,7 +121,10 @@ def _fill_(tensor: torch.Tensor, sample_: Callable[[torch.Tensor, torch.Generato
     row_blocks = indices[0] // rows_per_block
     for block in row_blocks.unique().tolist():
         start = block * rows_per_block
-        values = torch.empty(min(rows_per_block, shape[0] - start), *shape[1:], dtype=torch.float32)
+        # Sampled in float32 whatever the parameter's dtype; in float64 under training.float64, as fp32's
+        # samples differ by an ulp between ATen's SIMD widths (its default and AVX2 kernels).
+        rows = min(rows_per_block, shape[0] - start)
+        values = torch.empty(rows, *shape[1:], dtype=torch.get_default_dtype())
         sample_(values, _generator(ctx.seed, fqn, block))
         local_rows = (row_blocks == block).nonzero().squeeze(1)
         values = values[indices[0][local_rows] - start]
