@@ -16,7 +16,7 @@ float64 the same reorderings move sums by ~1e-16 relative (the init is sampled i
 another draw than fp32's, whose samples differ by an ulp between ATen's SIMD widths):
 tests/test_loss_curve.py lists the kernel paths measured (MKL's code paths, ATen's SIMD width, the
 thread count) and how far each moves the curve, all within TOL, while a wrong normalisation of the loss
-moves it by millions of TOL. The run uses two intra-op threads (OMP_NUM_THREADS), whatever the cores:
+moves it by 4e4 TOL. The run uses two intra-op threads (OMP_NUM_THREADS), whatever the cores:
 small matrices gain nothing from more.
 A change that moves the numerics (the model, its init, the data order, the optimizer, the loss) makes
 the comparison fail; when the move is meant, --update stores the new curve and the commit says why.
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CURVE = ROOT / "tests" / "assets" / "losses" / "debug_model.json"
 RECIPE = "train_configs/debug_model.toml"
 # The largest difference from the stored curve that counts as the same numerics (the docstring says why).
-TOL = 1e-9
+TOL = 1e-7
 # Every step logged; no checkpoints (they take time and change nothing).
 ARGS = [
     *("--job.config_file", RECIPE, "--training.float64", "true"),
