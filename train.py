@@ -65,6 +65,8 @@ def main(job_config: JobConfig) -> int:
         tokenizer = build_tokenizer(resolve_path(job_config.model.tokenizer_path))
     spec = model_spec(job_config.model)
     model_args = build_model_args(job_config, tokenizer.n_words, tokenizer.eos_id, tokenizer.bos_id)
+    if training.float64:  # every float tensor made without a dtype, and every upcast (llama.model.upcast)
+        torch.set_default_dtype(torch.float64)
     with torch.device("meta"):
         model = spec.build(model_args)
     logger.info(f"Model {job_config.model.name} {job_config.model.flavor}: {model.num_params():,} parameters")

@@ -385,6 +385,23 @@ def check_device(job_config: JobConfig, parallel_dims: ParallelDims, device_type
         )
 
 
+def check_float64(job_config: JobConfig, parallel_dims: ParallelDims) -> None:
+    """training.float64 is upcast where Llama's dense model and the plain loss upcast; data-parallel
+    wrappers, autocast and the chunked loss would compute in their own dtypes."""
+    training = job_config.training
+    if training.float64 and (
+        job_config.model.name not in ("llama2", "llama3")
+        or parallel_dims.world_size > 1
+        or training.mixed_precision_param != "float32"
+        or training.loss_chunk_tokens
+    ):
+        raise ConfigError(
+            "training.float64: runs Llama on one process with mixed_precision_param float32 and "
+            f"loss_chunk_tokens 0 (here: {job_config.model.name}, world size {parallel_dims.world_size}, "
+            f"{training.mixed_precision_param}, {training.loss_chunk_tokens}); set those, or float64 false"
+        )
+
+
 # Float8 matmuls (torch._scaled_mm) need Ada (8.9) or Hopper (9.0) tensor cores, or newer.
 FLOAT8_MIN_CUDA_CAPABILITY = (8, 9)
 
@@ -463,6 +480,7 @@ def check_layout(
     check_lr_schedule(job_config.lr_scheduler, job_config.training.steps)
     check_optimizer(job_config.optimizer)
     check_hf_export(job_config)
+    check_float64(job_config, parallel_dims)
     if device_type is not None:
         check_device(job_config, parallel_dims, device_type)
     check_float8(job_config, parallel_dims, device_type, cuda_capability)

@@ -20,6 +20,7 @@ from torchtitan.config_rules import gradient_accumulation_steps
 from torchtitan.datasets.layout import IGNORE_INDEX, Batch
 from torchtitan.load_balance import LoadBalance
 from torchtitan.models.documents import documents_from_positions, find_documents
+from torchtitan.models.llama.model import upcast
 from torchtitan.models.mtp import mtp_targets
 from torchtitan.parallelisms.context_parallel import sequence_layouts, shard_sequence
 from torchtitan.parallelisms.distributed import dist_sum
@@ -35,8 +36,8 @@ def loss_fn(
     """Mean cross entropy over the tokens of a batch (or of a pipeline micro-batch); with `denominator`
     (chat data), the sum over the tokens that have a target (label not IGNORE_INDEX) divided by it."""
     if denominator is None:
-        return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten())
-    return F.cross_entropy(pred.flatten(0, 1).float(), labels.flatten(), reduction="sum") / denominator
+        return F.cross_entropy(upcast(pred.flatten(0, 1)), labels.flatten())
+    return F.cross_entropy(upcast(pred.flatten(0, 1)), labels.flatten(), reduction="sum") / denominator
 
 
 def stage_loss_fn(

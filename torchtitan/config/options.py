@@ -169,6 +169,12 @@ class TrainingConfig:
     mixed_precision_reduce: str = opt(
         "float32", "Dtype of gradient reduction across data-parallel ranks", choices=("bfloat16", "float32")
     )
+    float64: bool = opt(
+        False,
+        "Train in float64 throughout (parameters, optimizer state, activations, loss): a reference whose "
+        "numbers do not depend on the machine's kernels, the stored loss curve's (scripts/loss_curve.py); "
+        "Llama on one process, mixed_precision_param float32, loss_chunk_tokens 0",
+    )
     global_batch_size: int = opt(
         -1,
         "Sequences per optimizer step over all data-parallel ranks; a multiple of batch_size x DP degree "

@@ -52,7 +52,7 @@ def dist_mean(x: torch.Tensor, mesh: DeviceMesh | None) -> float:
     """Mean of a scalar over the ranks of `mesh` (host sync: call at logging steps only)."""
     if isinstance(x, DTensor):  # the loss under loss parallel: replicated over the tp mesh
         x = x.full_tensor()
-    x = x.detach().float()
+    x = x.detach().to(torch.get_default_dtype())  # float32 (float64 under training.float64)
     if mesh is not None:
         x = x.clone()
         dist.all_reduce(x, group=mesh.get_group())  # a sum: gloo, on CPU or CUDA tensors, has no AVG

@@ -38,20 +38,28 @@ def _scale_rope_freqs(freqs: torch.Tensor) -> torch.Tensor:
     return torch.where(wavelen < high_freq_wavelen, freqs, scaled)
 
 
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """`x` in the precision norms, RoPE and the loss compute in, whatever the matmuls' (bf16 under
+    autocast): torch's default dtype, float32, or float64 under training.float64 (train.py sets it)."""
+    return x.to(torch.get_default_dtype())
+
+
 def rope_frequencies(
     dim: int, theta: float, use_scaled: bool = False, device: torch.device | None = None
 ) -> torch.Tensor:
-    """RoPE's inverse frequencies (dim // 2,) of a head of `dim` features: transformers' inv_freq."""
-    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device)[: dim // 2].float() / dim))
+    """RoPE's inverse frequencies (dim // 2,) of a head of `dim` features: transformers' inv_freq, in
+    torch's default dtype."""
+    freqs = 1.0 / (theta ** (upcast(torch.arange(0, dim, 2, device=device)[: dim // 2]) / dim))
     return _scale_rope_freqs(freqs) if use_scaled else freqs
 
 
 def precompute_freqs_cis(
     dim: int, end: int, theta: float = 10000.0, use_scaled: bool = False, device: torch.device | None = None
 ) -> torch.Tensor:
-    """Complex64 rotations e^{i * pos * freq} of shape (end, dim // 2) for positions 0..end-1."""
+    """Complex rotations e^{i * pos * freq} of shape (end, dim // 2) for positions 0..end-1, in torch's
+    default dtype (complex64; complex128 under training.float64)."""
     freqs = rope_frequencies(dim, theta, use_scaled, device)
-    t = torch.arange(end, device=device, dtype=torch.float32)
+    t = torch.arange(end, device=device, dtype=torch.get_default_dtype())
     freqs = torch.outer(t, freqs)
     return torch.polar(torch.ones_like(freqs), freqs)
 
@@ -59,14 +67,14 @@ def precompute_freqs_cis(
 def apply_rotary_emb(
     xq: torch.Tensor, xk: torch.Tensor, freqs_cis: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate interleaved (even, odd) pairs of q/k features, in float32 for accuracy.
+    """Rotate interleaved (even, odd) pairs of q/k features, in float32 (`upcast`) for accuracy.
 
     xq, xk: (bs, seqlen, n_heads, head_dim); freqs_cis: (seqlen, head_dim // 2) complex, or per token
     (bs, seqlen, head_dim // 2) (positions within documents: block_causal).
     """
     freqs_cis = freqs_cis.view(-1, xq.shape[1], 1, xq.shape[-1] // 2)
-    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
-    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    xq_ = torch.view_as_complex(upcast(xq).reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(upcast(xk).reshape(*xk.shape[:-1], -1, 2))
     xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3)
     xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3)
     return xq_out.type_as(xq), xk_out.type_as(xk)
@@ -111,7 +119,7 @@ class CausalAttention(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in float32."""
+    """Root-mean-square layer norm, computed in float32 (`upcast`)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -122,7 +130,7 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._norm(x.float()).type_as(x) * self.weight
+        return self._norm(upcast(x)).type_as(x) * self.weight
 
     def reset_parameters(self) -> None:
         ones_(self.weight)
@@ -344,4 +352,4 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, freqs_cis, documents)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h).float() if self.output is not None and not skip_output else h
+        return upcast(self.output(h)) if self.output is not None and not skip_output else h
