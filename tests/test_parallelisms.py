@@ -170,24 +170,6 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
             "validation.enable: torch's pipeline evaluation (schedule.eval) cannot run ZBVZeroBubble",
         ),
         (
-            2,
-            [
-                *PP2,
-                "--validation.enable",
-                "true",
-                "--validation.batch_size",
-                "2",
-                "--training.batch_size",
-                "4",
-            ],
-            "validation.batch_size: 2 gives 2 sequences per rank, not training.batch_size's 4",
-        ),
-        (
-            2,
-            [*PP2, "--validation.enable", "true", "--validation.global_batch_size", "4"],
-            "validation.global_batch_size: 4 gives 4 sequences per rank, not training.batch_size's 8",
-        ),
-        (
             4,
             ["--validation.global_batch_size", "6"],
             "validation.global_batch_size: 6 is not a multiple of the data-parallel degree 4",
