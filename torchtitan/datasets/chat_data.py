@@ -208,7 +208,7 @@ class ChatDataset(TextDataset):
 
     def _batch(self, rows: list[int]) -> Batch:
         windows = [self._text.next_window(s) for s in rows]
-        return tuple(torch.stack(parts) for parts in zip(*windows))
+        return Batch(*(torch.stack(parts) for parts in zip(*windows)))
 
 
 def build_chat_dataset(

@@ -93,8 +93,7 @@ class TextDataset(IterableDataset, Stateful):
 
     def _batch(self, rows: list[int]) -> Batch:
         """The micro-batch of streams `rows`: their next windows, inputs and labels shifted by one."""
-        batch = torch.stack([self._text.next_window(s) for s in rows])
-        return batch[:, :-1], batch[:, 1:]
+        return Batch.of_windows(torch.stack([self._text.next_window(s) for s in rows]))
 
     def keep_share(self, worker: int, num_workers: int) -> None:
         """Keep rows ``worker, worker + num_workers, ...`` of each micro-batch (data loading workers)."""

@@ -11,43 +11,19 @@ i+k+1. Every depth attends causally (within documents, with RoPE from each docum
 the main blocks.
 
 The shift is taken on the host, on whole sequences, before context parallelism shares their tokens out
-and before the pipeline splits the batch (`mtp_targets`): depth k's input tokens and targets travel
-beside the batch's, sharded like them, so no rank needs another's tokens. A target that is not in the
-token's own document, or lies beyond the window, is IGNORE_INDEX: a document's last k+1 positions and
-the window's have none at depth k, and positions without a target only ever feed later positions of
-their own document (which have none either), so what a document learns is what it would learn alone.
+and before the pipeline splits the batch (`mtp_targets`, torchtitan/objective/mtp.py): depth k's input
+tokens and targets travel beside the batch's, sharded like them, so no rank needs another's tokens. A
+target that is not in the token's own document, or lies beyond the window, is IGNORE_INDEX: a document's
+last k+1 positions and the window's have none at depth k, and positions without a target only ever feed
+later positions of their own document (which have none either), so what a document learns is what it
+would learn alone.
 """
 
 import torch
 from torch import nn
 
 from torchtitan.models.init import trunc_normal_
-from torchtitan.models.llama.model import RMSNorm, Transformer
-
-# F.cross_entropy's ignore_index (the data's IGNORE_INDEX, torchtitan/datasets/layout.py).
-IGNORE_INDEX = -100
-
-
-def mtp_targets(
-    tokens: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None, depths: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bs, seqlen, depths) input tokens and targets of the MTP depths for a (bs, seqlen) batch whose
-    `labels` are the next tokens (label i = token i+1; IGNORE_INDEX where untrained, e.g. chat prompts):
-    depth k (index k-1) at position i takes token i+k and targets label i+k (token i+k+1), kept only when
-    i+k+1 is inside the window and in the same document as i (`document_ids`: block_causal's; None: the
-    window is one document). Elsewhere the input token is 0 and the target IGNORE_INDEX."""
-    bs, seqlen = tokens.shape
-    ids = document_ids if document_ids is not None else torch.zeros_like(tokens)
-    inputs = torch.zeros(bs, seqlen, depths, dtype=tokens.dtype, device=tokens.device)
-    targets = torch.full((bs, seqlen, depths), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)
-    for k in range(1, depths + 1):
-        span = seqlen - k - 1  # positions whose token i+k+1 is inside the window
-        if span <= 0:
-            continue
-        same = ids[:, :span] == ids[:, k + 1 : k + 1 + span]
-        inputs[:, :span, k - 1] = torch.where(same, tokens[:, k : k + span], 0)
-        targets[:, :span, k - 1] = torch.where(same, labels[:, k : k + span], IGNORE_INDEX)
-    return inputs, targets
+from torchtitan.models.llama.model import RMSNorm, Transformer, upcast
 
 
 class MTPLayer(nn.Module):
@@ -148,4 +124,4 @@ class MTPTransformer(Transformer):
             outputs.append(layer.norm(hidden))
         if skip_output or self.output is None:
             return tuple(outputs)
-        return tuple(self.output(out).float() for out in outputs)
+        return tuple(upcast(self.output(out)) for out in outputs)

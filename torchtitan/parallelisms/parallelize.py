@@ -7,6 +7,7 @@ parallelism (FSDP/HSDP over dp_shard x cp, or DDP), which shards the DTensors fu
 With pipeline parallelism it is applied to each stage's model.
 """
 
+import contextlib
 import functools
 from collections import defaultdict
 from collections.abc import Callable
@@ -41,10 +42,22 @@ from torchtitan.parallelisms.vocab_parallel import vocab_parallel
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def autocast_context(
+    training_config: TrainingConfig, device: torch.device
+) -> contextlib.AbstractContextManager:
+    """The matmuls in `mixed_precision_param`, everything else in fp32, on every layout: under FSDP/DDP
+    the blocks' weights arrive in that dtype already (mixed_precision_policies)."""
+    param_dtype = DTYPES[training_config.mixed_precision_param]
+    if param_dtype != torch.float32:
+        return torch.autocast(device.type, dtype=param_dtype)
+    return contextlib.nullcontext()
+
+
 def loss_skips_output(training_config: TrainingConfig) -> bool:
     """With a chunked loss (training.loss_chunk_tokens) the model stops at its final norm (`skip_output`)
     and the loss projects the hidden states by the output weight itself, a chunk at a time
-    (chunked_loss.py): FSDP then keeps the root's parameters, that weight among them, after the forward."""
+    (objective/chunked_cross_entropy.py): FSDP then keeps the root's parameters, that weight among
+    them, after the forward."""
     return training_config.loss_chunk_tokens > 0
 
 
@@ -111,7 +124,7 @@ def mixed_precision_policies(job_config: JobConfig) -> tuple[MixedPrecisionPolic
     """FSDP's and DDP's part of the one mixed-precision semantics of every layout (docs/numerics.md):
     (the matmul weights' policy, the fp32 one of the norms' and embeddings' units: fp32_units).
 
-    Autocast runs the matmuls in `mixed_precision_param` on every layout (train_step.autocast_context)
+    Autocast runs the matmuls in `mixed_precision_param` on every layout (autocast_context)
     and keeps everything else in fp32. FSDP gathers the matmul weights in that dtype, which rounds them
     as autocast would before a matmul, at half the traffic, and the norms' weights and the embeddings
     in fp32, as autocast leaves them (or, with fsdp_gather_dtype float32, gathers the blocks whole in

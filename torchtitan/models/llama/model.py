@@ -342,7 +342,7 @@ class Transformer(nn.Module):
         """tokens: (bs, seqlen) ids, or hidden states on a stage without `tok_embeddings`.
 
         Returns float logits (bs, seqlen, vocab), or hidden states on a stage without `output` or
-        with `skip_output` (the loss then projects them itself, see torchtitan/chunked_loss.py).
+        with `skip_output` (the loss then projects them itself: objective/chunked_cross_entropy.py).
         With block_causal the documents are found in `tokens`, or given as `document_ids` (bs, seq_len)
         of the whole sequences where `tokens` are not those (a later pipeline stage's hidden states, a
         context-parallel rank's share), and RoPE counts from each document's start.
