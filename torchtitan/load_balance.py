@@ -1,13 +1,13 @@
 """Expert load balancing for mixture-of-experts models (torchtitan/models/moe.py), each optional:
 
-- `moe.aux_loss_coef`: the auxiliary loss of transformers' Qwen3-MoE, num_experts * sum_e f_e * P_e,
+- `moe.aux_loss_weight`: the auxiliary loss of transformers' Qwen3-MoE, num_experts * sum_e f_e * P_e,
   where f_e is the share of (token, choice) assignments that went to expert e and P_e its mean router
   probability, both pooled over the sparse layers and the tokens of a micro-batch. f_e (no gradient) is
   counted over the micro-batch of every data-parallel, context-parallel and tensor-parallel rank, and
   the mean of the ranks' P_e is the global one, so the loss of a micro-batch is the same whatever the
   layout (a cp rank routes its pieces of each sequence as a dp rank its sequences: both are ranks
   whose tokens differ, over which FSDP averages the gradients).
-- `moe.sequence_aux_loss_coeff`: DeepSeek-V3's sequence-wise balance loss (`sequence_balance` in
+- `moe.sequence_aux_loss_weight`: DeepSeek-V3's sequence-wise balance loss (`sequence_balance` in
   torchtitan/models/moe.py), per sparse layer and sequence (a row of the micro-batch); a micro-batch's
   is the sum over the layers of its mean over the sequences. A sequence's counts are summed over the
   tensor- and context-parallel ranks that hold its tokens; each rank's loss is its tokens' share.
@@ -43,9 +43,9 @@ class LoadBalance:
     ) -> None:
         self.layers = [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
         # The same on every rank: a pipeline stage of dense layers only still joins the collectives.
-        self.aux_loss_coef = config.aux_loss_coef
+        self.aux_loss_weight = config.aux_loss_weight
         for layer in self.layers:
-            layer.keep_router_stats = self.aux_loss_coef > 0
+            layer.keep_router_stats = self.aux_loss_weight > 0
         self.num_experts = model_parts[0].model_args.num_experts
         self.top_k = model_parts[0].model_args.top_k
         self.bias_update_rate = config.bias_update_rate
@@ -55,9 +55,9 @@ class LoadBalance:
         # The ranks among which each global batch's tokens are routed.
         self.token_groups = [mesh.get_group() for mesh in (dp, tp) if mesh is not None]
         self.aux_losses: list[torch.Tensor] = []  # this step's, one per micro-batch
-        self.sequence_aux_loss_coeff = config.sequence_aux_loss_coeff
+        self.sequence_aux_loss_weight = config.sequence_aux_loss_weight
         for layer in self.layers:
-            layer.keep_sequence_stats = self.sequence_aux_loss_coeff > 0
+            layer.keep_sequence_stats = self.sequence_aux_loss_weight > 0
         # The ranks that hold one sequence's tokens, and the factor that makes a context-parallel rank's
         # share of a loss its gradient's: FSDP averages over the cp ranks (as their language-model
         # losses are each a mean over their own tokens) where it sums over the tp ranks.
@@ -134,7 +134,7 @@ class LoadBalance:
         if self.pp is not None:
             dist.all_reduce(load, group=self.pp.get_group())
         metrics = {"expert_load": load[0] / load[1]}
-        if self.aux_loss_coef:
+        if self.aux_loss_weight:
             # Pipelines: the last stage computes it, the others add nothing.
             aux_loss = torch.stack(self.aux_losses).mean() if self.aux_losses else torch.zeros(())
             aux_loss = self._sum_over_tokens(aux_loss.to(counts.device)) / self.dp_degree
@@ -142,7 +142,7 @@ class LoadBalance:
                 dist.all_reduce(aux_loss, group=self.pp.get_group())
             metrics["aux_loss"] = aux_loss
         self.aux_losses = []
-        if self.sequence_aux_loss_coeff:
+        if self.sequence_aux_loss_weight:
             metrics["seq_aux_loss"] = self._sequence_metric(counts.device)
         return metrics
 

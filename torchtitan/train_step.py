@@ -147,15 +147,15 @@ class TrainStep:
         # Context parallelism: each rank runs its share of every sequence's tokens (context_parallel.py).
         self.cp_mesh = cp_mesh
         # A mixture-of-experts model's auxiliary losses join each micro-batch's training loss.
-        self.aux_loss_coef = load_balance.aux_loss_coef if load_balance is not None else 0.0
-        self.sequence_aux_loss_coeff = (
-            load_balance.sequence_aux_loss_coeff if load_balance is not None else 0.0
+        self.aux_loss_weight = load_balance.aux_loss_weight if load_balance is not None else 0.0
+        self.sequence_aux_loss_weight = (
+            load_balance.sequence_aux_loss_weight if load_balance is not None else 0.0
         )
         self.load_balance = load_balance
         self.pipeline = pipeline
-        if pipeline is not None and (self.aux_loss_coef or self.sequence_aux_loss_coeff):
+        if pipeline is not None and (self.aux_loss_weight or self.sequence_aux_loss_weight):
             pipeline.aux_loss = self._pipeline_aux_loss  # the last stage adds it to each micro-batch's loss
-            if self.sequence_aux_loss_coeff:  # each stage its own layers'
+            if self.sequence_aux_loss_weight:  # each stage its own layers'
                 pipeline.sequence_loss = load_balance.sequence_aux_loss
         self.device = device
         self.grad_accum_steps = gradient_accumulation_steps(training_config, parallel_dims)
@@ -329,13 +329,13 @@ class TrainStep:
     ) -> torch.Tensor:
         loss, mtp_loss = self._model_losses(inputs, labels, model_kwargs)
         objective = loss
-        if self.aux_loss_coef or self.sequence_aux_loss_coeff or mtp_loss is not None:
+        if self.aux_loss_weight or self.sequence_aux_loss_weight or mtp_loss is not None:
             # Under loss parallel the loss is a replicated DTensor; the auxiliary losses are this rank's.
             objective = loss.to_local() if isinstance(loss, DTensor) else loss
-        if self.aux_loss_coef:
-            objective = objective + self.aux_loss_coef * self.load_balance.aux_loss()
-        if self.sequence_aux_loss_coeff:
-            objective = objective + self.sequence_aux_loss_coeff * self.load_balance.sequence_aux_loss()
+        if self.aux_loss_weight:
+            objective = objective + self.aux_loss_weight * self.load_balance.aux_loss()
+        if self.sequence_aux_loss_weight:
+            objective = objective + self.sequence_aux_loss_weight * self.load_balance.sequence_aux_loss()
         if mtp_loss is not None:
             objective = objective + mtp_loss
         (objective / microbatches).backward()
@@ -346,11 +346,11 @@ class TrainStep:
         (parallelisms/pipeline.py's RouterStatsStage): the pooled loss's statistics, then the sum of the
         stages' sequence-wise losses."""
         losses = []
-        if self.aux_loss_coef:
+        if self.aux_loss_weight:
             counts, prob_sums, *router_stats = router_stats
-            losses.append(self.aux_loss_coef * self.load_balance.pooled_aux_loss(counts, prob_sums))
-        if self.sequence_aux_loss_coeff:
-            losses.append(self.sequence_aux_loss_coeff * router_stats[0].sum())
+            losses.append(self.aux_loss_weight * self.load_balance.pooled_aux_loss(counts, prob_sums))
+        if self.sequence_aux_loss_weight:
+            losses.append(self.sequence_aux_loss_weight * router_stats[0].sum())
         return sum(losses[1:], losses[0])
 
     def _model_losses(

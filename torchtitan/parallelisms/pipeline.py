@@ -195,8 +195,8 @@ def build_pipeline(
     # A mixture of experts' auxiliary loss pools the router statistics of every stage's layers; its
     # sequence-wise balance loss sums the stages' own.
     moe = model_spec(job_config.model).moe
-    pooled = moe and job_config.moe.aux_loss_coef > 0
-    sequence = moe and job_config.moe.sequence_aux_loss_coeff > 0
+    pooled = moe and job_config.moe.aux_loss_weight > 0
+    sequence = moe and job_config.moe.sequence_aux_loss_weight > 0
     carry_router_stats = pooled or sequence
     stages, model_parts = [], []
     for stage_id in ids:
