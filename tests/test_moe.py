@@ -158,7 +158,9 @@ def test_moe_blocks_compile_whole(name):
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
             apply_compile(model, fullgraph=True)
-        balance = LoadBalance([model], MoEConfig(aux_loss_weight=0.0, sequence_aux_loss_weight=0.1), None, None)
+        balance = LoadBalance(
+            [model], MoEConfig(aux_loss_weight=0.0, sequence_aux_loss_weight=0.1), None, None
+        )
         tokens = torch.randint(0, args.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
         loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
         (loss + 0.1 * balance.sequence_aux_loss()).backward()
