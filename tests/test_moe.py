@@ -158,7 +158,7 @@ def test_moe_blocks_compile_whole(name):
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
             apply_compile(model, fullgraph=True)
-        balance = load_balance(model, MoEConfig(aux_loss_coef=0.0, sequence_aux_loss_coeff=0.1))
+        balance = load_balance(model, MoEConfig(aux_loss_weight=0.0, sequence_aux_loss_weight=0.1))
         tokens = torch.randint(0, args.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
         loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
         (loss + 0.1 * balance.sequence_aux_loss()).backward()
@@ -255,7 +255,7 @@ def test_bias_balancing_moves_against_the_load():
     start again from zero."""
     model = MODEL_SPECS["qwen3_moe"].build(ARGS)
     model.init_weights(seed=0)
-    balance = load_balance(model, MoEConfig(aux_loss_coef=0.0, bias_update_rate=0.01))
+    balance = load_balance(model, MoEConfig(aux_loss_weight=0.0, bias_update_rate=0.01))
     layer = model.layers["1"].feed_forward
     model(torch.randint(0, ARGS.vocab_size, (2, 16)))
     with torch.no_grad():  # a forward without gradients (a pipeline's shape inference) does not count
@@ -305,7 +305,7 @@ def sequence_loss_by_hand(layer_inputs: list[tuple[MoE, torch.Tensor]]) -> torch
 
 @pytest.mark.parametrize("name", TWO_MOE_LAYERS)
 def test_sequence_balance_loss_is_deepseek_v3s_equations(name):
-    """On a fixed batch of 3 sequences, the sequence-wise balance loss (moe.sequence_aux_loss_coeff),
+    """On a fixed batch of 3 sequences, the sequence-wise balance loss (moe.sequence_aux_loss_weight),
     its router gradients and its logged metric (the mean over the layers) equal eqs. 17-20 computed
     by hand from the routers' outputs; the batch-wise loss of the same routing differs."""
     args = TWO_MOE_LAYERS[name]
@@ -316,7 +316,7 @@ def test_sequence_balance_loss_is_deepseek_v3s_equations(name):
     inputs = []
     for layer in layers:
         layer.register_forward_pre_hook(lambda module, args: inputs.append((module, args[0])))
-    config = MoEConfig(aux_loss_coef=0.0, sequence_aux_loss_coeff=1e-4)
+    config = MoEConfig(aux_loss_weight=0.0, sequence_aux_loss_weight=1e-4)
     balance = load_balance(model, config)
     tokens = torch.randint(0, args.vocab_size, (3, 12), generator=torch.Generator().manual_seed(4))
     model(tokens)
@@ -344,7 +344,7 @@ def test_train_step_adds_the_weighted_sequence_loss_to_each_microbatch():
     from torchtitan.datasets.layout import Batch
 
     args, alpha = TWO_MOE_LAYERS["deepseek_v3"], 0.5
-    config = MoEConfig(aux_loss_coef=0.0, sequence_aux_loss_coeff=alpha)
+    config = MoEConfig(aux_loss_weight=0.0, sequence_aux_loss_weight=alpha)
     tokens = torch.randint(0, args.vocab_size, (4, 13), generator=torch.Generator().manual_seed(5))
     batches = [Batch.of_windows(tokens[i : i + 2]) for i in (0, 2)]
     grads = []
@@ -358,7 +358,7 @@ def test_train_step_adds_the_weighted_sequence_loss_to_each_microbatch():
                 objective = loss + alpha * balance.sequence_aux_loss()
                 (objective / 2).backward()
         else:
-            weights = ("--moe.aux_loss_coef", "0", "--moe.sequence_aux_loss_coeff", str(alpha))
+            weights = ("--moe.aux_loss_weight", "0", "--moe.sequence_aux_loss_weight", str(alpha))
             job = parse_args(["--training.mixed_precision_param", "float32", *weights])
             step = one_process_step(model, job)
             balance = step.objective.balance

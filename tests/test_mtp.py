@@ -36,7 +36,7 @@ def weight(lam: float) -> tuple[str, ...]:
     """The MTP depths' weight (DeepSeek-V3's lambda) on the command line, the only term beside the
     language model's (no balance loss)."""
     model = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel")
-    return (*model, "--model.mtp_loss_weight", str(lam), "--moe.aux_loss_coef", "0")
+    return (*model, "--model.mtp_loss_weight", str(lam), "--moe.aux_loss_weight", "0")
 
 
 def test_targets_stay_inside_documents_and_the_window():

@@ -420,7 +420,7 @@ def _moe_step(model: nn.Module, tokens: torch.Tensor, dp_mesh, worst_case: bool,
         with torch.no_grad():
             for moe in (m for m in model.modules() if isinstance(m, MoE)):
                 moe.expert_bias.copy_(torch.tensor(WORST_CASE_BIAS))
-    config = MoEConfig(sequence_aux_loss_coeff=SEQUENCE_AUX)
+    config = MoEConfig(sequence_aux_loss_weight=SEQUENCE_AUX)
     balance = LoadBalance([model], config, dp=dp_mesh, pp=None, tp=tp_mesh)
     loss = _loss(model, tokens)
     (loss + 0.001 * balance.aux_loss() + SEQUENCE_AUX * balance.sequence_aux_loss()).backward()
@@ -453,7 +453,9 @@ def _sequence_loss_step(mesh=None, dims: ParallelDims | None = None) -> tuple:
         positions = load_balanced_positions(16, cp.size(), cp.get_local_rank())
         x = x[2 * dp.get_local_rank() : 2 * dp.get_local_rank() + 2][:, positions]
         fully_shard(part, mesh=fsdp_mesh(mesh, dims))
-    balance = LoadBalance([part], MoEConfig(aux_loss_coef=0.0, sequence_aux_loss_coeff=1.0), dp, None, cp=cp)
+    balance = LoadBalance(
+        [part], MoEConfig(aux_loss_weight=0.0, sequence_aux_loss_weight=1.0), dp, None, cp=cp
+    )
     (part(x).pow(2).mean() + balance.sequence_aux_loss()).backward()
     return balance.step_done()["seq_aux_loss"], _full(moe.router.weight.grad)
 

@@ -1,13 +1,13 @@
 """Expert load balancing for mixture-of-experts models (torchtitan/models/moe.py), each optional:
 
-- `moe.aux_loss_coef`: the auxiliary loss of transformers' Qwen3-MoE, num_experts * sum_e f_e * P_e,
+- `moe.aux_loss_weight`: the auxiliary loss of transformers' Qwen3-MoE, num_experts * sum_e f_e * P_e,
   where f_e is the share of (token, choice) assignments that went to expert e and P_e its mean router
   probability, both pooled over the sparse layers and the tokens of a micro-batch. f_e (no gradient) is
   counted over the micro-batch of every data-parallel, context-parallel and tensor-parallel rank, and
   the mean of the ranks' P_e is the global one, so the loss of a micro-batch is the same whatever the
   layout (a cp rank routes its pieces of each sequence as a dp rank its sequences: both are ranks
   whose tokens differ, over which FSDP averages the gradients).
-- `moe.sequence_aux_loss_coeff`: DeepSeek-V3's sequence-wise balance loss (`sequence_balance`, below),
+- `moe.sequence_aux_loss_weight`: DeepSeek-V3's sequence-wise balance loss (`sequence_balance`, below),
   per sparse layer and sequence (a row of the micro-batch); a micro-batch's is the sum over the layers
   of its mean over the sequences. A sequence's counts are summed over the tensor- and context-parallel
   ranks that hold its tokens; each rank's loss is its tokens' share.
@@ -37,8 +37,8 @@ class LoadBalance:
         dp, tp, cp = meshes.dp_cp, meshes.tp, meshes.cp
         self.layers: list[MoE] = []
         # The same on every rank: a pipeline stage of dense layers only still joins the collectives.
-        self.aux_loss_weight = config.aux_loss_coef
-        self.sequence_aux_loss_weight = config.sequence_aux_loss_coeff
+        self.aux_loss_weight = config.aux_loss_weight
+        self.sequence_aux_loss_weight = config.sequence_aux_loss_weight
         self.num_experts, self.top_k = num_experts, top_k
         self.bias_update_rate = config.bias_update_rate
         self.pp = meshes.pp
