@@ -128,3 +128,21 @@ def test_files_stay_short_and_torchtitan_keeps_few_loose_modules():
     assert not long, f"over {MAX_LINES} lines:\n" + "\n".join(long)
     loose = sorted(f.name for f in (ROOT / "torchtitan").glob("*.py") if f.name != "__init__.py")
     assert len(loose) <= MAX_LOOSE_MODULES, f"torchtitan/ has {len(loose)} loose modules: {loose}"
+
+
+def test_the_objective_takes_only_types_and_constants_from_the_models_and_the_data():
+    """torchtitan/objective/ owns every loss term: from the models and the data it imports what names a
+    batch's or a layer's kind (a class, a constant such as IGNORE_INDEX), never a function to compute
+    with, which would be a loss's arithmetic living outside it."""
+    problems = []
+    for path in sorted((ROOT / "torchtitan" / "objective").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom) or not node.module:
+                continue
+            if node.module.startswith(("torchtitan.models", "torchtitan.datasets")):
+                for alias in node.names:
+                    if not (alias.name[0].isupper() or alias.name.isupper()):
+                        problems.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.module}.{alias.name}")
+    assert not problems, "the objective computes with the models' or the data's functions:\n" + "\n".join(
+        problems
+    )
