@@ -197,6 +197,12 @@ class TrainingConfig:
         "PP the last stage's loss projects (docs/performance.md); 0: project all at once",
         min=0,
     )
+    z_loss_weight: float = opt(
+        0.0,
+        "Weight of the z-loss added to the training loss (PaLM): the mean over the targets of log(Z)^2, Z "
+        "the softmax's normaliser, which keeps the logits from drifting (docs/objectives.md); 0: off",
+        min=0.0,
+    )
     skip_nonfinite_steps: bool = opt(
         False,
         "On a NaN/Inf gradient norm, skip the step (no optimizer step; counted as skipped_steps in "

@@ -31,6 +31,7 @@ from torchtitan.datasets.layout import IGNORE_INDEX
 from torchtitan.objective.chunked_cross_entropy import chunked_cross_entropy
 from torchtitan.objective.load_balance import LoadBalance
 from torchtitan.objective.mtp import MTPLoss, mtp_targets
+from torchtitan.objective.z_loss import ZLoss
 from torchtitan.parallelisms.distributed import dist_sum
 from torchtitan.parallelisms.parallel_dims import Meshes, ParallelDims
 from torchtitan.parallelisms.parallelize import autocast_context
@@ -250,4 +251,4 @@ def build_balance(job_config: JobConfig, model_args: Any, objective: Objective) 
 
 
 # The terms added to the language model's loss, each built from the job (None where it is off).
-TERMS = (MTPTerm.build, build_balance)
+TERMS = (MTPTerm.build, build_balance, ZLoss.build)
