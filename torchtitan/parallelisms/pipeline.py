@@ -65,16 +65,7 @@ class Pipeline:
 def split_model(model: nn.Module, layers: range, is_first: bool, is_last: bool) -> nn.Module:
     """A copy of the (meta) model keeping only `layers`, plus the ends it owns."""
     stage = copy.deepcopy(model)
-    for layer_id in list(stage.layers):
-        if int(layer_id) not in layers:
-            del stage.layers[layer_id]
-    if not is_first:
-        stage.tok_embeddings = None
-    if not is_last:
-        stage.norm = None
-        stage.output = None
-        if getattr(stage, "mtp", None) is not None:  # multi-token prediction's depths: the last stage's
-            stage.mtp = None
+    stage.drop_outside(layers, is_first, is_last)
     return stage
 
 
