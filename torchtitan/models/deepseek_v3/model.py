@@ -1,7 +1,7 @@
 """DeepSeek-V3 on the Llama transformer: multi-head latent attention (MLA) with YaRN RoPE, and
 DeepSeekMoE (the shared mixture of experts, torchtitan/models/moe.py) after the first dense layers. The
-embeddings, blocks, final norm, output, seeded init, packed documents and pipeline-stage shape are
-Llama's (torchtitan/models/llama/model.py)."""
+embeddings, blocks, final norm, output, seeded init, packed documents and pipeline-stage shape are the
+shared decoder's (torchtitan/models/decoder.py)."""
 
 import math
 

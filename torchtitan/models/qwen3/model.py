@@ -1,6 +1,6 @@
 """Qwen3 (dense) on the Llama transformer: its own attention (per-head q/k norms, its head size,
 half-rotation RoPE) and an exact SwiGLU size; the embeddings, blocks, final norm, output (tied or not),
-seeded init and pipeline-stage shape are Llama's (torchtitan/models/llama/model.py)."""
+seeded init and pipeline-stage shape are the shared decoder's (torchtitan/models/decoder.py)."""
 
 import torch
 from torch import nn
