@@ -277,7 +277,8 @@ def apply_fsdp(
     keep_root_after_forward: bool = False,
     moe_meshes: tuple[DeviceMesh | None, DeviceMesh | None] = (None, None),
 ) -> None:
-    """FSDP2: shard each transformer block, then the root (embeddings, final norm, output).
+    """FSDP2: shard each of the model's sharding_units (its blocks), then the root (embeddings, final norm,
+    output).
 
     With `fp32_policy` (mixed precision: mixed_precision_policies) the fp32_units are units of their
     own with that policy, and the rest takes `mp_policy`; without `norm_units` (fsdp_gather_dtype

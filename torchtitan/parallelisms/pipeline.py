@@ -63,7 +63,8 @@ class Pipeline:
 
 
 def split_model(model: nn.Module, layers: range, is_first: bool, is_last: bool) -> nn.Module:
-    """A copy of the (meta) model keeping only `layers`, plus the ends it owns."""
+    """A copy of the (meta) model keeping only `layers`, plus the ends it owns (the model says which:
+    `drop_outside`)."""
     stage = copy.deepcopy(model)
     stage.drop_outside(layers, is_first, is_last)
     return stage
