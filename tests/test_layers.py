@@ -106,6 +106,23 @@ def test_every_module_is_in_one_layer_and_imports_only_from_layers_above():
     assert not problems, "docs/architecture.md's Layers table is broken:\n" + "\n".join(problems)
 
 
+def test_shared_models_import_no_family():
+    """The modules directly under torchtitan/models/ (the decoder, mixture of experts, multi-token
+    prediction, documents, init, the shared HF names, the spec) are what every family builds on: none
+    imports a family package (torchtitan/models/<family>/), so no family's code runs up into them. The
+    registry (`torchtitan/models/__init__.py`) names the families and is not one of them."""
+    modules = {module_name(f): f for f in python_files()}
+    shared = sorted(f for f in python_files() if re.fullmatch(r"torchtitan/models/(?!__init__)\w+\.py", f))
+    assert "torchtitan/models/decoder.py" in shared and "torchtitan/models/moe.py" in shared
+    problems = [
+        f"{path}:{line}: `{written}` imports {target}, a family's"
+        for path in shared
+        for line, written, target in imported_modules(path, modules)
+        if re.match(r"torchtitan/models/\w+/", target)
+    ]
+    assert not problems, "shared model modules import a family:\n" + "\n".join(problems)
+
+
 def test_the_table_puts_the_tools_and_the_loop_last():
     layers = table()
     assert {"scripts/", "train.py"} <= set(layers[-1][1]), "scripts/ and train.py are the last layer"

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan.models.decoder import FeedForward
 from torchtitan.models.init import trunc_normal_
-from torchtitan.models.llama.model import FeedForward
 
 
 def _training_forward() -> bool:

@@ -22,8 +22,8 @@ would learn alone.
 import torch
 from torch import nn
 
+from torchtitan.models.decoder import Decoder, RMSNorm, upcast
 from torchtitan.models.init import trunc_normal_
-from torchtitan.models.llama.model import RMSNorm, Transformer, upcast
 
 
 class MTPLayer(nn.Module):
@@ -54,25 +54,8 @@ class MTPLayer(nn.Module):
         return self.block(h, freqs_cis, documents)
 
 
-def mtp_depths(model: nn.Module) -> int:
-    """The model's MTP depths (0 for a family without them, or a pipeline stage before the last)."""
-    mtp = getattr(model, "mtp", None)
-    return len(mtp) if mtp is not None else 0
-
-
-def block_slots(model: nn.Module) -> list[tuple[nn.Module, str, int]]:
-    """Every transformer block of `model` (a whole model or a pipeline stage) as (its parent, its name
-    there, its layer index): the main blocks (`layers`), then each MTP depth's (layer n_layers + k - 1),
-    for the parallelisms that wrap or split blocks (TP, EP, activation checkpointing, compile, FSDP)."""
-    slots = [(model.layers, name, int(name)) for name in model.layers]
-    n_layers = model.model_args.n_layers
-    for k, layer in enumerate(getattr(model, "mtp", None).values() if mtp_depths(model) else []):
-        slots.append((layer, "block", n_layers + k))
-    return slots
-
-
-class MTPTransformer(Transformer):
-    """A Llama-shaped decoder with `model_args.mtp_layers` MTP depths (`mtp`, a ModuleDict of MTPLayer
+class MTPTransformer(Decoder):
+    """The shared decoder with `model_args.mtp_layers` MTP depths (`mtp`, a ModuleDict of MTPLayer
     keyed "0".."D-1"; None without them, and on pipeline stages before the last).
 
     forward(tokens, mtp_embeddings=None, *, mtp_tokens=None, ...): without `mtp_tokens` (and on a model
@@ -93,8 +76,36 @@ class MTPTransformer(Transformer):
             )
 
     def init_extra_weights(self) -> None:
-        for layer in self.mtp.values() if self.mtp is not None else []:
+        for layer in self.depths():
             layer.init_weights()
+
+    def depths(self) -> list[MTPLayer]:
+        """The depths held (none on a pipeline stage before the last)."""
+        return list(self.mtp.values()) if self.mtp is not None else []
+
+    def blocks(self) -> list[tuple[nn.Module, str, int]]:
+        """The main blocks, then each depth's (layer n_layers + k - 1)."""
+        n_layers = self.model_args.n_layers
+        return super().blocks() + [(layer, "block", n_layers + k) for k, layer in enumerate(self.depths())]
+
+    def sharding_units(self) -> list[nn.Module]:
+        """The main blocks, then each depth whole (its norms and projection with its block)."""
+        return super().sharding_units() + self.depths()
+
+    def head_norms(self) -> list[str]:
+        """The final norm and each depth's `norm`, which the shared output layer projects too."""
+        return super().head_norms() + [f"mtp.{k}.norm" for k in range(len(self.depths()))]
+
+    def token_wise_modules(self) -> list[str]:
+        """Each depth's input norms and projection, which run on each token alone."""
+        names = ("enorm", "hnorm", "eh_proj")
+        return [f"mtp.{k}.{name}" for k in range(len(self.depths())) for name in names]
+
+    def drop_outside(self, layers: range, is_first: bool, is_last: bool) -> None:
+        """The depths belong to the last stage, with the final norm."""
+        super().drop_outside(layers, is_first, is_last)
+        if not is_last:
+            self.mtp = None
 
     def forward(
         self,

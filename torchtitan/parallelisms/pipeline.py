@@ -30,10 +30,9 @@ from torchtitan.parallelisms.pipeline_layout import (
     stage_layers,
 )
 
-# A stage id -> its example micro-batch input and output (for stages that cannot learn the shapes by
-# messages): a tensor, or a tuple of them (multi-token
-# prediction's stages pass the shifted tokens' embeddings on beside the hidden states, its last stage
-# outputs each depth's logits beside the model's).
+# A stage id -> its example micro-batch input and output, for stages that cannot learn the shapes by
+# messages: a tensor, or a tuple of them (multi-token prediction's stages pass the shifted tokens'
+# embeddings on beside the hidden states, its last stage outputs each depth's logits beside the model's).
 StageIO = Callable[[int], tuple[Any, Any]]
 
 
@@ -61,24 +60,12 @@ class Pipeline:
     has_first_stage: bool
     has_last_stage: bool
 
-    @property
-    def microbatches(self) -> int:
-        return self.schedule._n_microbatches
-
 
 def split_model(model: nn.Module, layers: range, is_first: bool, is_last: bool) -> nn.Module:
-    """A copy of the (meta) model keeping only `layers`, plus the ends it owns."""
+    """A copy of the (meta) model keeping only `layers`, plus the ends it owns (the model says which:
+    `drop_outside`)."""
     stage = copy.deepcopy(model)
-    for layer_id in list(stage.layers):
-        if int(layer_id) not in layers:
-            del stage.layers[layer_id]
-    if not is_first:
-        stage.tok_embeddings = None
-    if not is_last:
-        stage.norm = None
-        stage.output = None
-        if getattr(stage, "mtp", None) is not None:  # multi-token prediction's depths: the last stage's
-            stage.mtp = None
+    stage.drop_outside(layers, is_first, is_last)
     return stage
 
 
