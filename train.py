@@ -16,10 +16,10 @@ from torchtitan.datasets.build import build_training_data_loader
 from torchtitan.datasets.layout import BatchLayout
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.errors import EXIT_OK, bad_input
-from torchtitan.load_balance import LoadBalance
 from torchtitan.logging import init_logger, logger
 from torchtitan.metrics import MetricLogger, peak_flops
 from torchtitan.models import build_model_args, model_spec
+from torchtitan.objective import Objective
 from torchtitan.optimizers import build_lr_scheduler, build_optimizer
 from torchtitan.parallelisms.distributed import (
     clip_grad_norm_,
@@ -72,29 +72,19 @@ def main(job_config: JobConfig) -> int:
     logger.info(f"Model {job_config.model.name} {job_config.model.flavor}: {model.num_params():,} parameters")
     num_flop_params = model.num_params(exclude_embedding=True)
 
+    # What training minimises (torchtitan/objective/): the step, the pipeline and validation score with it.
+    objective = Objective(job_config, model_args, parallel_dims, meshes, device)
     # model_parts: the modules this rank trains (its pipeline stages, or the whole model).
-    model_parts, pipeline = parallelize_model(model, meshes.world, parallel_dims, job_config, device)
+    model_parts, pipeline = parallelize_model(
+        model, meshes.world, parallel_dims, job_config, device, objective
+    )
     del model
     for part in model_parts:
         part.to_empty(device=device)
         part.init_weights(seed=training.seed)
         part.train()
 
-    # Mixture-of-experts models: the auxiliary loss and the routing biases (torchtitan/load_balance.py).
-    load_balance = None
-    if spec.moe:
-        load_balance = LoadBalance(model_parts, job_config.moe, meshes.dp_cp, meshes.pp, meshes.tp, meshes.cp)
-    train_step = TrainStep(
-        model_parts,
-        pipeline,
-        parallel_dims,
-        training,
-        device,
-        load_balance,
-        meshes.cp,
-        meshes.dp,
-        job_config.model.mtp_loss_weight,
-    )
+    train_step = TrainStep(model_parts, pipeline, objective, parallel_dims, training, device, meshes.cp)
     # This rank's rows of each global batch, in the step's micro-batches (gradient accumulation).
     layout = BatchLayout(training.batch_size, dp_degree, dp_rank, train_step.grad_accum_steps)
     pin_memory = device.type == "cuda"
@@ -155,8 +145,7 @@ def main(job_config: JobConfig) -> int:
                 if precompute_scales:
                     precompute_float8_scales(model_parts)
             lr_scheduler.step()
-            moe_metrics = load_balance.step_done() if load_balance is not None else {}
-            mtp_metrics = train_step.mtp_metrics(meshes)  # multi-token prediction's loss per depth
+            terms = objective.step_done()  # the loss terms' metrics (a mixture of experts' biases move)
             metric_logger.step_done()
 
             if metric_logger.should_log(step):
@@ -168,8 +157,8 @@ def main(job_config: JobConfig) -> int:
                     lr,
                     nonfinite.skipped,
                     data_loader.tokens_by_source(),
-                    {name: value.item() for name, value in {**moe_metrics, **mtp_metrics}.items()},
-                    train_step.trained_tokens,
+                    {name: value.item() for name, value in terms.items()},
+                    objective.trained_tokens,
                 )
                 nonfinite.check(step, loss_value)
             if validator is not None and validator.should_validate(step):

@@ -35,6 +35,7 @@ from torchtitan.config_rules import check_layout  # noqa: E402
 from torchtitan.datasets.tokenizer import build_tokenizer  # noqa: E402
 from torchtitan.errors import EXIT_OK, bad_input  # noqa: E402
 from torchtitan.models import build_model_args, model_spec  # noqa: E402
+from torchtitan.objective import Objective  # noqa: E402
 from torchtitan.parallelisms.distributed import init_distributed  # noqa: E402
 from torchtitan.reliability.entry import exit_process, run_job  # noqa: E402
 from torchtitan.train_step import TrainStep, parallelize_model  # noqa: E402
@@ -85,7 +86,10 @@ def evaluate(job_config: JobConfig) -> int:
     model_args = build_model_args(job_config, tokenizer.n_words, tokenizer.eos_id, tokenizer.bos_id)
     with torch.device("meta"):
         model = model_spec(job_config.model).build(model_args)
-    model_parts, pipeline = parallelize_model(model, meshes.world, parallel_dims, job_config, device)
+    objective = Objective(job_config, model_args, parallel_dims, meshes, device)
+    model_parts, pipeline = parallelize_model(
+        model, meshes.world, parallel_dims, job_config, device, objective
+    )
     for part in model_parts:
         part.to_empty(device=device)
         part.init_weights(seed=job_config.training.seed)  # the buffers (RoPE), which are not saved
@@ -94,7 +98,7 @@ def evaluate(job_config: JobConfig) -> int:
     else:
         load_model_weights(model_parts, path, verify=job_config.checkpoint.verify_checksums)
     train_step = TrainStep(
-        model_parts, pipeline, parallel_dims, job_config.training, device, cp_mesh=meshes.cp
+        model_parts, pipeline, objective, parallel_dims, job_config.training, device, meshes.cp
     )
     validator = Validator(job_config, train_step, tokenizer, meshes)
     progress = Progress(path, job_config, validator.tokens_per_batch) if rank == 0 else None

@@ -71,6 +71,7 @@ def render() -> str:
                 meaning += "; one of " + ", ".join(f"`{c}`" for c in meta["choices"])
             if meta["min"] is not None:
                 meaning += f"; at least {meta['min']}"
+            meaning += "".join(f"; formerly `{old}`, still read (deprecated)" for old in meta["old_names"])
             meaning = meaning.replace("|", "\\|")
             default = toml_value(default_of(option))
             lines.append(f"| `{option.name}` | {type_name(hints[option.name])} | {default} | {meaning} |")

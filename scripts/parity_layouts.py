@@ -122,7 +122,7 @@ QWEN3_LONG = (*QWEN3_UNTIED, *LONG)
 # CI's context-parallel runs (tests/): 256 tokens, still 8 chunks of 32 at CP 4, at half the time.
 QWEN3_CP_CI = (*QWEN3_UNTIED, "--training.seq_len", "256")
 QWEN3_MOE = ("--model.name", "qwen3_moe", "--model.tokenizer_path", "assets/tokenizer/kjv_bpe_hf")
-QWEN3_MOE_BIAS = (*QWEN3_MOE, "--moe.aux_loss_coef", "0", "--moe.bias_update_rate", "0.01")
+QWEN3_MOE_BIAS = (*QWEN3_MOE, "--moe.aux_loss_weight", "0", "--moe.bias_update_rate", "0.01")
 QWEN3_MOE_BOTH = (*QWEN3_MOE, "--moe.bias_update_rate", "0.01")
 # Packed documents attending within themselves (model.attn_mask_type, docs/attention.md), on documents
 # short enough (the verses of the bundled validation split, ~35 tokens) that every window holds some.
@@ -159,7 +159,7 @@ QWEN3_MOE_BLOCK = (*QWEN3_MOE, *BLOCK_CAUSAL)
 QWEN3_MOE_BLOCK_BOTH = (*QWEN3_MOE_BOTH, *BLOCK_CAUSAL)
 # DeepSeek-V3's sequence-wise balance loss (docs/moe.md), weighted 100 x DeepSeek's alpha so that a wrong
 # reduction of it shows in the losses.
-SEQUENCE_AUX = ("--moe.sequence_aux_loss_coeff", "0.01")
+SEQUENCE_AUX = ("--moe.sequence_aux_loss_weight", "0.01")
 # DeepSeek-V3's debug flavour (MLA with a q LoRA and YaRN, sigmoid routing in 2 groups, a shared expert,
 # a dense first layer), every balancing method on (the batch-wise auxiliary loss, DeepSeek-V3's routing
 # bias and its sequence-wise loss), on packed documents attending within themselves.
@@ -177,8 +177,8 @@ DEEPSEEK_V3_PLAIN_Q = (*DEEPSEEK_V3, "--model.flavor", "debugmodel_plain_q")
 # DeepSeek-V3's own balancing (the bias and the sequence-wise loss), and Qwen3-MoE's with the sequence-wise
 # loss alone: neither depends on how a batch is split into micro-batches, so each layout below is compared
 # with one process on the whole batch.
-DEEPSEEK_V3_OWN = (*DEEPSEEK_V3, "--moe.aux_loss_coef", "0")
-QWEN3_MOE_SEQUENCE = (*QWEN3_MOE, "--moe.aux_loss_coef", "0", *SEQUENCE_AUX)
+DEEPSEEK_V3_OWN = (*DEEPSEEK_V3, "--moe.aux_loss_weight", "0")
+QWEN3_MOE_SEQUENCE = (*QWEN3_MOE, "--moe.aux_loss_weight", "0", *SEQUENCE_AUX)
 # DeepSeek-V3 with one multi-token prediction depth (docs/objectives.md): its loss per depth (mtp_loss_1) is
 # compared too; the depth's block is a mixture of experts.
 DEEPSEEK_V3_MTP = (*DEEPSEEK_V3, "--model.mtp_layers", "1")
@@ -187,7 +187,7 @@ DEEPSEEK_V3_MTP = (*DEEPSEEK_V3, "--model.mtp_layers", "1")
 DEEPSEEK_V3_4_LAYERS = (*DEEPSEEK_V3, "--model.flavor", "debugmodel_4_layers")
 # Balanced by the routing bias alone (as DeepSeek-V3 was): under PP x EP a micro-batch's auxiliary loss
 # pools the data-parallel ranks' rows of it, which no one process's micro-batches group alike.
-DEEPSEEK_V3_4_LAYERS_BIAS = (*DEEPSEEK_V3_4_LAYERS, "--moe.aux_loss_coef", "0")
+DEEPSEEK_V3_4_LAYERS_BIAS = (*DEEPSEEK_V3_4_LAYERS, "--moe.aux_loss_weight", "0")
 
 
 # The 4-layer flavour with one depth, for the multi-stage schedules (the depth on the last stage).

@@ -59,9 +59,10 @@ def first_batch(
     args = build_model_args(job, tokenizer.n_words, tokenizer.eos_id, tokenizer.bos_id)
     job.training.data_workers = 0
     loader = build_training_data_loader(job.training, tokenizer, layout, args.vocab_size, False, job.chat)
-    inputs, labels, *positions = next(iter(loader))
-    if positions:
-        return tokenizer, inputs, labels, positions[0]
+    batch = next(iter(loader))
+    inputs, labels = batch.inputs, batch.labels
+    if batch.positions is not None:
+        return tokenizer, inputs, labels, batch.positions
     if args.attn_mask_type == "block_causal":
         return tokenizer, inputs, labels, document_positions(find_documents(inputs, args.eos_id, args.bos_id))
     return tokenizer, inputs, labels, torch.arange(inputs.shape[1]).expand_as(inputs)

@@ -533,7 +533,7 @@ CASES = [
             "--parallelism.data_parallel_replicate_degree",
             "2",
         ),
-        "moe.aux_loss_coef: qwen3_moe's auxiliary loss under pipeline parallelism needs FSDP or no data "
+        "moe.aux_loss_weight: qwen3_moe's auxiliary loss under pipeline parallelism needs FSDP or no data "
         "parallelism, not replicas alone (DDP)",
         env={"WORLD_SIZE": "4"},
     ),
@@ -542,23 +542,23 @@ CASES = [
         args(
             "--model.name",
             "deepseek_v3",
-            "--moe.aux_loss_coef",
+            "--moe.aux_loss_weight",
             "0",
-            "--moe.sequence_aux_loss_coeff",
+            "--moe.sequence_aux_loss_weight",
             "0.0001",
             "--parallelism.pipeline_parallel_degree",
             "2",
             "--parallelism.data_parallel_replicate_degree",
             "2",
         ),
-        "moe.sequence_aux_loss_coeff: deepseek_v3's auxiliary loss under pipeline parallelism needs FSDP or "
+        "moe.sequence_aux_loss_weight: deepseek_v3's auxiliary loss under pipeline parallelism needs FSDP or "
         "no data parallelism, not replicas alone (DDP)",
         env={"WORLD_SIZE": "4"},
     ),
     Case(
         "MoE sequence-wise balance loss negative",
-        args("--model.name", "deepseek_v3", "--moe.sequence_aux_loss_coeff", "-0.0001"),
-        "--moe.sequence_aux_loss_coeff: -0.0001 is below the minimum 0.0",
+        args("--model.name", "deepseek_v3", "--moe.sequence_aux_loss_weight", "-0.0001"),
+        "--moe.sequence_aux_loss_weight: -0.0001 is below the minimum 0.0",
     ),
     Case(
         "EP on a dense model",
@@ -575,9 +575,15 @@ CASES = [
     Case(
         "[moe] option on a dense model, recipe (its default value)",
         with_file(
-            "--job.config_file", "dense.toml", b'[model]\nname = "qwen3"\n[moe]\naux_loss_coef = 0.001\n'
+            "--job.config_file", "dense.toml", b'[model]\nname = "qwen3"\n[moe]\naux_loss_weight = 0.001\n'
         ),
-        "moe.aux_loss_coef: qwen3 has no experts, so [moe] options do nothing for it",
+        "moe.aux_loss_weight: qwen3 has no experts, so [moe] options do nothing for it",
+    ),
+    Case(
+        "an option given by its former name and its new one",
+        args("--moe.aux_loss_coef", "0.01", "--moe.aux_loss_weight", "0.02"),
+        "--moe.aux_loss_coef and --moe.aux_loss_weight both given on the command line: --moe.aux_loss_coef "
+        "is --moe.aux_loss_weight's old name; keep only --moe.aux_loss_weight",
     ),
     Case(
         "MTP on a family without it",

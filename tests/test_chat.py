@@ -214,7 +214,7 @@ def global_steps(loaders: list[DataLoader], steps: int, accum: int = 1) -> list[
     iters = [iter(loader) for loader in loaders]
     out = []
     for _ in range(steps):
-        micro = [torch.stack(next(it), dim=1) for _ in range(accum) for it in iters]
+        micro = [torch.stack(next(it).parts(), dim=1) for _ in range(accum) for it in iters]
         # micro-batch m of rank r is rows m * D * b + r * b + [0, b): taken in that order above
         out.append(torch.cat(micro))
     return out

@@ -195,7 +195,7 @@ def test_samples_packed_whole_and_resumed_mid_conversation(hf_tok, tmp_path):
         dataset = ChatDataset("chats", ds, encoder(hf_tok, QWEN3, seq_len), seq_len, 0, BatchLayout(1, 1, 0))
         return DataLoader(dataset, 1, 0)
 
-    windows = [torch.stack(b, dim=1)[0] for b, _ in zip(loader(), range(12))]
+    windows = [torch.stack(b.parts(), dim=1)[0] for b, _ in zip(loader(), range(12))]
     samples = [s for c in CONVERSATIONS for s in encoder(hf_tok, QWEN3).encode(c).samples()]
     placed = []
     for ids, labels, positions in windows:
@@ -218,7 +218,7 @@ def test_samples_packed_whole_and_resumed_mid_conversation(hf_tok, tmp_path):
     assert _mid(first), "no window ended between two samples of a conversation"
     resumed = loader()
     resumed.load_state_dict(merged_state([first]))
-    again = [torch.stack(b, dim=1)[0] for b, _ in zip(resumed, range(3))]
+    again = [torch.stack(b.parts(), dim=1)[0] for b, _ in zip(resumed, range(3))]
     assert all(torch.equal(a, b) for a, b in zip(again, windows[steps : steps + 3]))
 
 

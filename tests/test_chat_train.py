@@ -52,7 +52,8 @@ def test_first_loss_is_transformers(tmp_path, monkeypatch):
     loader = build_training_data_loader(
         job.training, HFTokenizer(HF_TOKENIZER), BatchLayout(batch_size), 2256, False, job.chat
     )
-    inputs, labels, positions = next(iter(loader))
+    batch = next(iter(loader))
+    inputs, labels, positions = batch.parts()
     assert (positions == 0).sum() > 2 * batch_size  # several conversations a row: the packing is tested
     assert labels[:, -1].eq(IGNORE_INDEX).all()  # so transformers' labels, shifted by one, are ours
     hf_labels = torch.cat([torch.full((batch_size, 1), IGNORE_INDEX), labels[:, :-1]], dim=1)
@@ -244,7 +245,7 @@ def test_pretokenized_chat_shards_train_the_streamed_losses(tmp_path, capsys):
 
     def steps(ranks: list, n: int) -> list[torch.Tensor]:
         its = [iter(loader) for loader in ranks]
-        return [torch.cat([torch.stack(next(it)) for it in its], dim=1) for _ in range(n)]
+        return [torch.cat([torch.stack(next(it).parts()) for it in its], dim=1) for _ in range(n)]
 
     expected = steps(loaders(chat_file), 6)  # (input_ids, labels, positions) x rows, past an epoch
     assert all(torch.equal(a, b) for a, b in zip(steps(loaders(shards), 6), expected))
@@ -299,7 +300,7 @@ def test_mixtures_of_chat_sources(tmp_path):
 
     def steps(ranks: list, n: int) -> list[torch.Tensor]:
         its = [iter(loader) for loader in ranks]
-        return [torch.cat([torch.stack(next(it), dim=1) for it in its]) for _ in range(n)]
+        return [torch.cat([torch.stack(next(it).parts(), dim=1) for it in its]) for _ in range(n)]
 
     expected = steps(loaders(1), 4)  # (rows, 3, seq_len): ids, labels, positions
     encoder = chat_encoder(job.chat, tokenizer, job.training.seq_len)

@@ -5,14 +5,15 @@ same layout: test_parallelisms.py's mesh run (test_chunked_loss_*), so that no l
 
 import pytest
 import torch
+from one_process import one_process_step
 from test_model import build
 
 from scripts.parity_layouts import AC_OP, BLOCK_CAUSAL, CHUNKED_LOSS, COMPILE, QWEN3_MOE_BOTH, Layout, ep
 from scripts.parity_matrix import run_layout
 from torchtitan.config.parser import parse_args
 from torchtitan.config_rules import check_layout
+from torchtitan.datasets.layout import Batch
 from torchtitan.models.llama import ModelArgs
-from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.train_step import TrainStep
 
 ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=131, max_seq_len=32)
@@ -20,7 +21,7 @@ ARGS = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=131, ma
 
 def step_of(chunk: int, global_batch: int = -1) -> tuple[torch.nn.Module, TrainStep]:
     model = build(ARGS)
-    training = parse_args(
+    job = parse_args(
         [
             "--training.batch_size",
             "2",
@@ -31,17 +32,15 @@ def step_of(chunk: int, global_batch: int = -1) -> tuple[torch.nn.Module, TrainS
             "--training.mixed_precision_param",
             "float32",
         ]
-    ).training
-    return model, TrainStep(
-        [model], None, ParallelDims(dp_shard=1, world_size=1), training, torch.device("cpu")
     )
+    return model, one_process_step(model, job)
 
 
 def batches(n: int):
     generator = torch.Generator().manual_seed(0)
     for _ in range(n):
         tokens = torch.randint(0, ARGS.vocab_size, (2, 26), generator=generator)
-        yield tokens[:, :-1], tokens[:, 1:]
+        yield Batch.of_windows(tokens)
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 16, 50, 64])  # 50 tokens per micro-batch: 7 does not divide it
@@ -60,17 +59,22 @@ def test_loss_and_gradients_equal_the_unfused_ones(chunk):
 
 def test_evaluation_equals_the_unfused_one():
     (_, unfused), (_, chunked) = step_of(0), step_of(7)
-    torch.testing.assert_close(chunked.evaluate(batches(2))[0], unfused.evaluate(batches(2))[0])
+    evaluations = [
+        step.objective.mean_over_ranks(*step.evaluate(batches(2))[:2]) for step in (chunked, unfused)
+    ]
+    torch.testing.assert_close(*evaluations)
 
 
 def test_autocast_projects_in_its_dtype():
     """Under autocast the chunks' matmuls run in bf16, as the output projection's do."""
     _, step = step_of(7)
-    step.autocast = torch.autocast("cpu", dtype=torch.bfloat16)
-    inputs, labels = next(batches(1))
-    chunked = step._model_loss(inputs, labels, {})
-    step.loss_chunk_tokens = 0
-    torch.testing.assert_close(chunked, step._model_loss(inputs, labels, {}), atol=1e-5, rtol=0)
+    step.autocast = step.objective.autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    inputs, labels, _ = step._prepare(next(batches(1)))
+    step.objective.begin_step([labels])
+    chunked = step._model_loss(inputs, labels, {}, training=True)
+    step.objective.chunk_tokens, step.skip_output = 0, False
+    unfused = step._model_loss(inputs, labels, {}, training=True)
+    torch.testing.assert_close(chunked, unfused, atol=1e-5, rtol=0)
 
 
 def test_loss_parallel_and_pipeline_parallelism_are_accepted():

@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from torchtitan.config import parser
 from torchtitan.config.options import ConfigError, JobConfig, default_of
 from torchtitan.config.parser import parse_args
+from torchtitan.logging import logger
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,6 +78,17 @@ def test_int_accepted_for_float_in_toml(tmp_path):
         ("", ["--training.deterministic", "maybe"], "expected true or false"),
         ("", ["--training.steps"], "expected one argument"),
         ("", ["positional"], "unrecognized arguments: positional"),
+        (
+            "[moe]\naux_loss_coef = 0.1\naux_loss_weight = 0.2\n",
+            [],
+            "moe.aux_loss_coef and moe.aux_loss_weight both given in job.config_file: moe.aux_loss_coef is "
+            "moe.aux_loss_weight's old name; keep only moe.aux_loss_weight",
+        ),
+        (
+            "",
+            ["--moe.sequence_aux_loss_weight", "0.1", "--moe.sequence_aux_loss_coeff=0.2"],
+            "--moe.sequence_aux_loss_coeff and --moe.sequence_aux_loss_weight both given on the command line",
+        ),
     ],
 )
 def test_bad_config_is_a_precise_error(tmp_path, toml, argv, message):
@@ -84,6 +97,37 @@ def test_bad_config_is_a_precise_error(tmp_path, toml, argv, message):
         parse_args(argv)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [("aux_loss_coef", "aux_loss_weight"), ("sequence_aux_loss_coeff", "sequence_aux_loss_weight")],
+)
+def test_former_option_names_read_the_same_with_one_notice(tmp_path, old, new, monkeypatch):
+    """Recipes and command lines written before the loss weights were renamed still run, to the same
+    JobConfig, and say once which name to use now."""
+    monkeypatch.setattr(parser, "_NOTICED", set())
+    warned = []  # the logger's warnings, whatever handlers earlier tests gave it
+    monkeypatch.setattr(logger, "warning", warned.append)
+    reference = parse_args(["--model.name", "qwen3_moe", f"--moe.{new}", "0.25"])
+    assert getattr(reference.moe, new) == 0.25
+    notices = []
+    for argv in (
+        ["--model.name", "qwen3_moe", f"--moe.{old}", "0.25"],
+        ["--model.name", "qwen3_moe", f"--moe.{old}=0.25"],
+        ["--job.config_file", write_toml(tmp_path, f"[model]\nname = 'qwen3_moe'\n[moe]\n{old} = 0.25\n")],
+    ):
+        warned.clear()
+        config = parse_args(argv)
+        assert config.moe == reference.moe
+        assert f"moe.{new}" in config.explicit and f"moe.{old}" not in config.explicit
+        notices += warned
+    # Once a process, whichever way it came first.
+    assert notices == [f"--moe.{old} is deprecated: use --moe.{new} (same meaning)"]
+    parser._NOTICED.clear()
+    warned.clear()
+    parse_args(["--job.config_file", write_toml(tmp_path, f"[moe]\n{old} = 0.5\n")])
+    assert warned == [f"moe.{old} is deprecated: use moe.{new} (same meaning)"]
 
 
 def test_float8_section_from_toml_and_cli(tmp_path):
@@ -135,6 +179,7 @@ def test_help_lists_every_option_with_type_and_default():
             assert f"--{section.name}.{option.name}" in text
             assert f"default: {default_of(option)!r}" in text
     assert "(int, default: 10000)" in text
+    assert "formerly --moe.aux_loss_coef, still read" in text
     # What it trains: every family, not "a Llama model".
     assert "Llama model" not in text and "llama3, qwen3, qwen3_moe, deepseek_v3 (model.name)" in text
 

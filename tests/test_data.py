@@ -85,7 +85,7 @@ def global_batches(rank_loaders, steps: int, accum: int = 1) -> list[torch.Tenso
     out = []
     for _ in range(steps):
         parts = [next(it) for _ in range(accum) for it in iters]
-        out.append(torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in parts]))
+        out.append(torch.cat([torch.cat([b.inputs, b.labels[:, -1:]], dim=1) for b in parts]))
     return out
 
 
@@ -150,8 +150,9 @@ class CountingTokenizer:
 
 def test_windows_and_label_shift(tok):
     (dl,) = loaders(tok, (1, 4))
-    x, y = next(iter(dl))
-    assert x.shape == y.shape == (4, SEQ_LEN) and x.dtype == y.dtype == torch.long
+    batch = next(iter(dl))
+    x, y = batch.inputs, batch.labels
+    assert batch.positions is None and x.shape == y.shape == (4, SEQ_LEN) and x.dtype == y.dtype == torch.long
     assert torch.equal(x[:, 1:], y[:, :-1])
 
 
@@ -279,7 +280,7 @@ def test_each_rank_tokenizes_its_share(tok, streaming):
                 ds = load_text_dataset("kjv")
             dataset = HuggingFaceDataset("kjv", ds, counter, seq_len, batch, world, rank)
             it = iter(DataLoader(dataset, batch))
-            yielded = sum(next(it)[0].numel() for _ in range(steps))
+            yielded = sum(next(it).inputs.numel() for _ in range(steps))
             assert yielded == steps * batch * seq_len
             assert counter.count <= 1.25 * yielded, (world, rank, counter.count / yielded)
 
@@ -297,8 +298,8 @@ def test_resume(tok):
         (resumed,) = loaders(tok, layout)
         resumed.load_state_dict(state)
         got = [batch for batch, _ in zip(resumed, range(4))]
-        for (x, y), (ex, ey) in zip(got, expected, strict=True):
-            assert torch.equal(x, ex) and torch.equal(y, ey), layout
+        for batch, ex in zip(got, expected, strict=True):
+            assert torch.equal(batch.inputs, ex.inputs) and torch.equal(batch.labels, ex.labels), layout
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["map", "streaming"])
@@ -401,7 +402,7 @@ def test_finite_stops_and_restarts(tok, docs_file, streaming):
     reference = reference_batches(tok, DOCS, 4, shortest)
     for layout in [(1, 4), (2, 2), (4, 1)]:
         rank_loaders = docs_loaders(tok, layout, docs_file, streaming, infinite=False)
-        passes = [[[x for x, _ in dl] for dl in rank_loaders] for _ in range(2)]
+        passes = [[[b.inputs for b in dl] for dl in rank_loaders] for _ in range(2)]
         for batches in passes:
             assert [len(b) for b in batches] == [shortest] * layout[0], layout
         assert all_equal(global_batches(rank_loaders, shortest), reference), layout
@@ -432,11 +433,11 @@ def test_finite_pass_counted_from_a_ranks_own_streams(tok, docs_file, streaming)
     dataset = HuggingFaceDataset(
         "docs", source, CountingTokenizer(), SEQ_LEN, 1, 4, 1, infinite=False, min_over_ranks=min_over_ranks
     )
-    passes = [[x for x, _ in DataLoader(dataset, 1)] for _ in range(2)]
+    passes = [[b.inputs for b in DataLoader(dataset, 1)] for _ in range(2)]
     assert reported == [len(token_stream(tok, own_docs)) // window]
     assert set(encoded) <= set(own_docs)
     reference = docs_loaders(tok, (4, 1), docs_file, streaming, infinite=False)[1]
-    assert all(all_equal(p, [x for x, _ in reference]) for p in passes)
+    assert all(all_equal(p, [b.inputs for b in reference]) for p in passes)
     assert len(passes[0]) == shortest
 
 
@@ -516,9 +517,9 @@ def test_local_folder_splits(tok, tmp_path: Path):
     with pytest.raises(ValueError, match="No files for split 'test'"):
         load_text_dataset("c4", str(tmp_path), split="test")
     (dl,) = loaders(tok, (1, 1), "c4", str(tmp_path), seq_len=2, infinite=False)
-    assert tok.decode(torch.cat([torch.cat([x[0], y[0, -1:]]) for x, y in dl]).tolist()).startswith(
-        "<|begin_of_text|>train text"
-    )
+    assert tok.decode(
+        torch.cat([torch.cat([b.inputs[0], b.labels[0, -1:]]) for b in dl]).tolist()
+    ).startswith("<|begin_of_text|>train text")
 
 
 def test_unknown_dataset():

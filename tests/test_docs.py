@@ -68,7 +68,7 @@ def test_the_readme_links_each_objective_to_the_page_that_explains_it():
     sequence-wise balance loss is docs/moe.md's (docs/objectives.md has multi-token prediction)."""
     readme = (ROOT / "README.md").read_text()
     for option, page, heading in (
-        ("moe.sequence_aux_loss_coeff", "docs/moe.md", "sequence-wise-balance-loss"),
+        ("moe.sequence_aux_loss_weight", "docs/moe.md", "sequence-wise-balance-loss"),
         ("model.mtp_layers", "docs/objectives.md", ""),
     ):
         after = readme[readme.index(f"(`{option}`") :]

@@ -314,7 +314,7 @@ def test_pipeline_stages_carrying_the_balancing_losses_are_estimated():
     activations (multi-token prediction's embeddings among them), and their gradients come back: the
     fake pipeline's example tensors must take gradients too (its stage backward failed when the
     batch-wise auxiliary loss was on)."""
-    losses = ["--moe.aux_loss_coef", "0.001", "--moe.sequence_aux_loss_coeff", "0.0001"]
+    losses = ["--moe.aux_loss_weight", "0.001", "--moe.sequence_aux_loss_weight", "0.0001"]
     ranks = estimate(2, *DEEPSEEK_V3, *PP2, *losses, *MTP1, how="all 3 layers simulated")
     assert len(ranks) == 2
     for params, grads, optimizer, activations, peak in ranks:

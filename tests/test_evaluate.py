@@ -41,8 +41,9 @@ def transformers_loss(hf_folder, tokenizer) -> float:
     loader = DataLoader(build_dataset(source, tokenizer, 64, BatchLayout(2), infinite=False), 2)
     losses = []
     with torch.no_grad():
-        for (inputs, labels), _ in zip(loader, range(2)):
-            window = torch.cat([inputs, labels[:, -1:]], dim=1)  # transformers shifts the labels itself
+        for batch, _ in zip(loader, range(2)):
+            # transformers shifts the labels itself
+            window = torch.cat([batch.inputs, batch.labels[:, -1:]], dim=1)
             losses.append(hf_model(input_ids=window, labels=window).loss)
     return torch.stack(losses).mean().item()
 

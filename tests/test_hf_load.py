@@ -76,7 +76,8 @@ def transformers_first_loss(hub: Path, name: str) -> float:
     loader = build_training_data_loader(
         training, tokenizer, BatchLayout(training.batch_size), tokenizer.n_words, pin_memory=False
     )
-    inputs, labels = next(iter(loader))
+    batch = next(iter(loader))
+    inputs, labels = batch.inputs, batch.labels
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(hub, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = hf_model(inputs).logits

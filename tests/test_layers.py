@@ -106,6 +106,23 @@ def test_every_module_is_in_one_layer_and_imports_only_from_layers_above():
     assert not problems, "docs/architecture.md's Layers table is broken:\n" + "\n".join(problems)
 
 
+def test_shared_models_import_no_family():
+    """The modules directly under torchtitan/models/ (the decoder, mixture of experts, multi-token
+    prediction, documents, init, the shared HF names, the spec) are what every family builds on: none
+    imports a family package (torchtitan/models/<family>/), so no family's code runs up into them. The
+    registry (`torchtitan/models/__init__.py`) names the families and is not one of them."""
+    modules = {module_name(f): f for f in python_files()}
+    shared = sorted(f for f in python_files() if re.fullmatch(r"torchtitan/models/(?!__init__)\w+\.py", f))
+    assert "torchtitan/models/decoder.py" in shared and "torchtitan/models/moe.py" in shared
+    problems = [
+        f"{path}:{line}: `{written}` imports {target}, a family's"
+        for path in shared
+        for line, written, target in imported_modules(path, modules)
+        if re.match(r"torchtitan/models/\w+/", target)
+    ]
+    assert not problems, "shared model modules import a family:\n" + "\n".join(problems)
+
+
 def test_the_table_puts_the_tools_and_the_loop_last():
     layers = table()
     assert {"scripts/", "train.py"} <= set(layers[-1][1]), "scripts/ and train.py are the last layer"
@@ -128,3 +145,21 @@ def test_files_stay_short_and_torchtitan_keeps_few_loose_modules():
     assert not long, f"over {MAX_LINES} lines:\n" + "\n".join(long)
     loose = sorted(f.name for f in (ROOT / "torchtitan").glob("*.py") if f.name != "__init__.py")
     assert len(loose) <= MAX_LOOSE_MODULES, f"torchtitan/ has {len(loose)} loose modules: {loose}"
+
+
+def test_the_objective_takes_only_types_and_constants_from_the_models_and_the_data():
+    """torchtitan/objective/ owns every loss term: from the models and the data it imports what names a
+    batch's or a layer's kind (a class, a constant such as IGNORE_INDEX), never a function to compute
+    with, which would be a loss's arithmetic living outside it."""
+    problems = []
+    for path in sorted((ROOT / "torchtitan" / "objective").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom) or not node.module:
+                continue
+            if node.module.startswith(("torchtitan.models", "torchtitan.datasets")):
+                for alias in node.names:
+                    if not (alias.name[0].isupper() or alias.name.isupper()):
+                        problems.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.module}.{alias.name}")
+    assert not problems, "the objective computes with the models' or the data's functions:\n" + "\n".join(
+        problems
+    )

@@ -92,8 +92,9 @@ def test_resume_across_worker_counts(tok, text_and_tokens, kind):
         (after,) = kind_loaders(tok, kind, text_and_tokens, (1, 2, 2), resumed_with)
         after.load_state_dict(copy.deepcopy(before.state_dict()))
         got = take(after, 4)
-        for (x, y), (ex, ey) in zip(got, expected, strict=True):
-            assert torch.equal(x, ex) and torch.equal(y, ey), (saved_with, resumed_with)
+        for batch, ex in zip(got, expected, strict=True):
+            assert torch.equal(batch.inputs, ex.inputs), (saved_with, resumed_with)
+            assert torch.equal(batch.labels, ex.labels), (saved_with, resumed_with)
 
 
 def _signal_self_then_exit(trainer_pid: int) -> None:

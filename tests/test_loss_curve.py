@@ -32,14 +32,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from launch import read_metrics, run_train_in_process
 
 from scripts import loss_curve
-from torchtitan import train_step
 from torchtitan.config.options import ConfigError
 from torchtitan.config.parser import parse_args
 from torchtitan.config_rules import check_float64, parallel_dims_of
+from torchtitan.objective import objective
 
 
 def test_the_default_recipe_trains_its_stored_curve(default_recipe_curve):
@@ -65,14 +64,14 @@ def test_a_wrongly_normalised_loss_is_a_difference(tmp_path, monkeypatch):
     """Step 1 of the curve's run (in this process) with the loss divided by one token more than it
     averages over: its loss and gradient norm differ from the stored ones by far more than TOL, while the
     right loss of the same forward equals the stored step 1 within TOL."""
-    right, loss_fn = [], train_step.loss_fn
+    right, cross_entropy_sum = [], objective.cross_entropy_sum
 
-    def wrong_loss(pred: torch.Tensor, labels: torch.Tensor, denominator: torch.Tensor | None = None):
-        assert denominator is None  # plain text: the mean over every token
-        right.append(loss_fn(pred, labels).item())
-        return F.cross_entropy(pred.flatten(0, 1), labels.flatten(), reduction="sum") / (labels.numel() + 1)
+    def wrong_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        summed = cross_entropy_sum(pred, labels)  # the objective divides it by the step's targets, all
+        right.append((summed / labels.numel()).item())
+        return summed * labels.numel() / (labels.numel() + 1)
 
-    monkeypatch.setattr(train_step, "loss_fn", wrong_loss)
+    monkeypatch.setattr(objective, "cross_entropy_sum", wrong_loss)
     one_step = ["--training.steps", "1", "--validation.enable", "false", "--job.dump_folder", str(tmp_path)]
     try:
         assert run_train_in_process(*loss_curve.ARGS, *one_step) == 0

@@ -1,7 +1,7 @@
 """The mixture-of-experts feed-forward (torchtitan/models/moe.py; DeepSeek-V3's blocks compiled here too,
 the rest in test_deepseek_v3.py), Qwen3-MoE against transformers' Qwen3MoeForCausalLM, its Hugging Face
-conversion and the balancing (torchtitan/load_balance.py) on one process. Layouts are test_parity.py's,
-resume test_moe_resume.py's."""
+conversion and the balancing (torchtitan/objective/load_balance.py) on one process. Layouts are
+test_parity.py's, resume test_moe_resume.py's."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from one_process import load_balance, one_process_step
 from safetensors.torch import load_file
 
 from scripts import convert_dcp_to_hf, convert_hf_to_dcp
 from torchtitan.checkpoint.load import read_model_weights
 from torchtitan.config.options import MoEConfig
-from torchtitan.load_balance import LoadBalance
 from torchtitan.models import MODEL_SPECS
 from torchtitan.models.deepseek_v3 import deepseek_v3_configs
 from torchtitan.models.moe import GroupedExperts, MoE, grouped_mm
@@ -158,7 +158,7 @@ def test_moe_blocks_compile_whole(name):
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
             apply_compile(model, fullgraph=True)
-        balance = LoadBalance([model], MoEConfig(aux_loss_coef=0.0, sequence_aux_loss_coeff=0.1), None, None)
+        balance = load_balance(model, MoEConfig(aux_loss_weight=0.0, sequence_aux_loss_weight=0.1))
         tokens = torch.randint(0, args.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
         loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
         (loss + 0.1 * balance.sequence_aux_loss()).backward()
@@ -213,7 +213,7 @@ def test_from_hf_matches_transformers_and_round_trips_bit_exact(tmp_path):
     tokens = torch.randint(0, ARGS.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         theirs = hf_model(tokens, output_router_logits=True)
-    balance = LoadBalance([model], MoEConfig(), dp=None, pp=None)  # keeps the router statistics
+    balance = load_balance(model, MoEConfig())  # keeps the router statistics
     logits = model(tokens)  # a training forward
     aux_loss = balance.aux_loss()
     assert (logits - theirs.logits).abs().max() < 1e-5
@@ -255,7 +255,7 @@ def test_bias_balancing_moves_against_the_load():
     start again from zero."""
     model = MODEL_SPECS["qwen3_moe"].build(ARGS)
     model.init_weights(seed=0)
-    balance = LoadBalance([model], MoEConfig(aux_loss_coef=0.0, bias_update_rate=0.01), dp=None, pp=None)
+    balance = load_balance(model, MoEConfig(aux_loss_weight=0.0, bias_update_rate=0.01))
     layer = model.layers["1"].feed_forward
     model(torch.randint(0, ARGS.vocab_size, (2, 16)))
     with torch.no_grad():  # a forward without gradients (a pipeline's shape inference) does not count
@@ -305,7 +305,7 @@ def sequence_loss_by_hand(layer_inputs: list[tuple[MoE, torch.Tensor]]) -> torch
 
 @pytest.mark.parametrize("name", TWO_MOE_LAYERS)
 def test_sequence_balance_loss_is_deepseek_v3s_equations(name):
-    """On a fixed batch of 3 sequences, the sequence-wise balance loss (moe.sequence_aux_loss_coeff),
+    """On a fixed batch of 3 sequences, the sequence-wise balance loss (moe.sequence_aux_loss_weight),
     its router gradients and its logged metric (the mean over the layers) equal eqs. 17-20 computed
     by hand from the routers' outputs; the batch-wise loss of the same routing differs."""
     args = TWO_MOE_LAYERS[name]
@@ -316,8 +316,8 @@ def test_sequence_balance_loss_is_deepseek_v3s_equations(name):
     inputs = []
     for layer in layers:
         layer.register_forward_pre_hook(lambda module, args: inputs.append((module, args[0])))
-    config = MoEConfig(aux_loss_coef=0.0, sequence_aux_loss_coeff=1e-4)
-    balance = LoadBalance([model], config, dp=None, pp=None)
+    config = MoEConfig(aux_loss_weight=0.0, sequence_aux_loss_weight=1e-4)
+    balance = load_balance(model, config)
     tokens = torch.randint(0, args.vocab_size, (3, 12), generator=torch.Generator().manual_seed(4))
     model(tokens)
     loss = balance.sequence_aux_loss()
@@ -340,28 +340,28 @@ def test_sequence_balance_loss_is_deepseek_v3s_equations(name):
 def test_train_step_adds_the_weighted_sequence_loss_to_each_microbatch():
     """Gradient accumulation over 2 micro-batches: TrainStep's gradients are those of the mean over the
     micro-batches of (language-model loss + alpha x sequence-wise loss), written out here."""
-    from torchtitan.config.options import JobConfig
-    from torchtitan.parallelisms.parallel_dims import ParallelDims
-    from torchtitan.train_step import TrainStep, loss_fn
+    from torchtitan.config.parser import parse_args
+    from torchtitan.datasets.layout import Batch
 
     args, alpha = TWO_MOE_LAYERS["deepseek_v3"], 0.5
-    config = MoEConfig(aux_loss_coef=0.0, sequence_aux_loss_coeff=alpha)
+    config = MoEConfig(aux_loss_weight=0.0, sequence_aux_loss_weight=alpha)
     tokens = torch.randint(0, args.vocab_size, (4, 13), generator=torch.Generator().manual_seed(5))
-    batches = [(tokens[i : i + 2, :-1], tokens[i : i + 2, 1:]) for i in (0, 2)]
+    batches = [Batch.of_windows(tokens[i : i + 2]) for i in (0, 2)]
     grads = []
     for by_hand in (False, True):
         model = MODEL_SPECS["deepseek_v3"].build(args)
         model.init_weights(seed=0)
-        balance = LoadBalance([model], config, dp=None, pp=None)
         if by_hand:
-            for inputs, labels in batches:
-                objective = loss_fn(model(inputs), labels) + alpha * balance.sequence_aux_loss()
+            balance = load_balance(model, config)
+            for batch in batches:
+                loss = F.cross_entropy(model(batch.inputs).flatten(0, 1), batch.labels.flatten())
+                objective = loss + alpha * balance.sequence_aux_loss()
                 (objective / 2).backward()
         else:
-            dims = ParallelDims(dp_shard=1, world_size=1)
-            training = JobConfig().training
-            training.mixed_precision_param = "float32"
-            step = TrainStep([model], None, dims, training, torch.device("cpu"), balance)
+            weights = ("--moe.aux_loss_weight", "0", "--moe.sequence_aux_loss_weight", str(alpha))
+            job = parse_args(["--training.mixed_precision_param", "float32", *weights])
+            step = one_process_step(model, job)
+            balance = step.objective.balance
             step.forward_backward(iter(batches), microbatches=2)
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         metric = balance.step_done()["seq_aux_loss"]

@@ -10,14 +10,14 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from one_process import one_process_step
 
 from torchtitan.config.parser import parse_args
+from torchtitan.datasets.layout import IGNORE_INDEX, Batch
 from torchtitan.models import MODEL_SPECS
 from torchtitan.models.deepseek_v3 import deepseek_v3_configs
 from torchtitan.models.documents import find_documents
-from torchtitan.models.mtp import IGNORE_INDEX, mtp_targets
-from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.train_step import TrainStep
+from torchtitan.objective.mtp import mtp_targets
 
 VOCAB, SEQ, EOS, DEPTHS, WEIGHT = 300, 32, 7, 2, 0.3
 ARGS = replace(
@@ -30,6 +30,13 @@ ARGS = replace(
 )
 X = IGNORE_INDEX
 FP32 = ("--training.mixed_precision_param", "float32")
+
+
+def weight(lam: float) -> tuple[str, ...]:
+    """The MTP depths' weight (DeepSeek-V3's lambda) on the command line, the only term beside the
+    language model's (no balance loss)."""
+    model = ("--model.name", "deepseek_v3", "--model.flavor", "debugmodel")
+    return (*model, "--model.mtp_loss_weight", str(lam), "--moe.aux_loss_weight", "0")
 
 
 def test_targets_stay_inside_documents_and_the_window():
@@ -56,7 +63,7 @@ def build() -> torch.nn.Module:
     return model
 
 
-def packed_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def packed_batches() -> list[Batch]:
     """Two micro-batches of 2 windows of documents of 1 to 12 tokens (each ending with EOS), the last
     one cut by the window."""
     generator = torch.Generator().manual_seed(0)
@@ -70,7 +77,7 @@ def packed_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
                 row += torch.randint(EOS + 1, VOCAB, (length - 1,), generator=generator).tolist() + [EOS]
             rows.append(row[: SEQ + 1])
         tokens = torch.tensor(rows)
-        batches.append((tokens[:, :-1], tokens[:, 1:]))
+        batches.append(Batch.of_windows(tokens))
     return batches
 
 
@@ -80,8 +87,8 @@ def oracle(model: torch.nn.Module, batches: list) -> list[float]:
     its tokens (causal, RoPE from 0), then depth k on its first L - k positions, fed the embeddings of its
     tokens k.. and the previous depth's states, scored against its tokens k+1.."""
     sums, counts = [0.0] * DEPTHS, [0] * DEPTHS
-    for inputs, _ in batches:
-        for row, ids in zip(inputs, find_documents(inputs, EOS, None)):
+    for batch in batches:
+        for row, ids in zip(batch.inputs, find_documents(batch.inputs, EOS, None)):
             for doc in ids.unique():
                 tokens = row[ids == doc]
                 h = model.tok_embeddings(tokens[None])
@@ -103,40 +110,34 @@ def oracle(model: torch.nn.Module, batches: list) -> list[float]:
 
 def test_packed_loss_per_depth_equals_documents_alone():
     model = build()
-    training = parse_args(["--training.batch_size", "2", "--training.global_batch_size", "4", *FP32]).training
-    step = TrainStep(
-        [model],
-        None,
-        ParallelDims(dp_shard=1, world_size=1),
-        training,
-        torch.device("cpu"),
-        mtp_loss_weight=WEIGHT,
+    job = parse_args(
+        ["--training.batch_size", "2", "--training.global_batch_size", "4", *FP32, *weight(WEIGHT)]
     )
+    step = one_process_step(model, job)
     assert step.grad_accum_steps == 2
     batches = packed_batches()
     expected = oracle(model, batches)
     step.forward_backward(iter(batches))
-    metrics = step.mtp_metrics(SimpleNamespace(dp_cp=None, pp=None))
+    metrics = step.objective.step_done()
     got = [metrics[f"mtp_loss_{k}"].item() for k in range(1, DEPTHS + 1)]
     assert max(abs(a - b) for a, b in zip(got, expected)) < 1e-6, (got, expected)
     # The depths, the shared embedding table and head all get the MTP loss's gradient.
     for name in ("mtp.1.eh_proj.weight", "mtp.1.block.attention.wq_a.weight", "mtp.1.norm.weight"):
         assert model.get_parameter(name).grad.abs().sum() > 0, name
-    assert step.mtp_metrics(SimpleNamespace(dp_cp=None, pp=None))["mtp_loss_1"] == 0  # restarted
+    assert step.objective.step_done()["mtp_loss_1"] == 0  # restarted
 
 
 def test_the_weight_scales_the_depths_gradient():
     """lambda = 0 leaves the depths without gradient; the language model's logged loss is the same."""
     grads, losses = {}, {}
-    for weight in (0.0, WEIGHT):
+    for lam in (0.0, WEIGHT):
         model = build()
-        training = parse_args(
-            ["--training.batch_size", "2", "--training.global_batch_size", "2", *FP32]
-        ).training
-        dims = ParallelDims(dp_shard=1, world_size=1)
-        step = TrainStep([model], None, dims, training, torch.device("cpu"), mtp_loss_weight=weight)
-        losses[weight] = step.forward_backward(iter(packed_batches()))
-        grads[weight] = model.get_parameter("mtp.0.eh_proj.weight").grad
+        job = parse_args(
+            ["--training.batch_size", "2", "--training.global_batch_size", "2", *FP32, *weight(lam)]
+        )
+        step = one_process_step(model, job)
+        losses[lam] = step.forward_backward(iter(packed_batches()))
+        grads[lam] = model.get_parameter("mtp.0.eh_proj.weight").grad
     assert grads[0.0].abs().sum() == 0 and grads[WEIGHT].abs().sum() > 0
     assert losses[0.0] == losses[WEIGHT]
 
@@ -149,16 +150,16 @@ def test_context_parallel_ranks_get_their_shifted_tokens_from_the_whole_sequence
     from torchtitan.parallelisms.context_parallel import rows_positions, sequence_layouts
 
     model = build()
-    training = parse_args(["--training.batch_size", "2", *FP32]).training
-    inputs, labels = packed_batches()[0]
+    job = parse_args(["--training.batch_size", "2", *FP32])
+    inputs, labels = packed_batches()[0].inputs, packed_batches()[0].labels
     ids = find_documents(inputs, EOS, None)
     whole_inputs, whole_targets = mtp_targets(inputs, labels, ids, DEPTHS)
     layouts, crossing = sequence_layouts(SEQ, 4, ids), 0
     for rank in range(4):
         mesh = SimpleNamespace(size=lambda: 4, get_local_rank=lambda rank=rank: rank)
-        step = TrainStep([model], None, ParallelDims(dp_shard=1, world_size=1), training, torch.device("cpu"))
+        step = one_process_step(model, job)
         step.cp_mesh = mesh
-        _, rank_labels, kwargs = step._on_device((inputs, labels))
+        _, rank_labels, kwargs = step._on_device(*step._prepare(Batch(inputs, labels)))
         positions = rows_positions(layouts, rank).expand(2, -1)
         held = set(positions[0].tolist())
         for k in range(DEPTHS):

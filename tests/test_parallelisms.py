@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from launch import TINY_JOB, run_train_in_process, spawn_forked
+from one_process import load_balance, objective_of, step_of
 from test_convert import random_model
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -30,11 +31,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torchtitan.datasets.tokenizer
 import torchtitan.parallelisms.distributed
 from torchtitan.checkpoint.hf_reader import load_hf_weights
-from torchtitan.chunked_loss import chunked_cross_entropy
 from torchtitan.config.options import JobConfig, MoEConfig
 from torchtitan.config.parser import parse_args
 from torchtitan.config_rules import gradient_accumulation_steps
-from torchtitan.load_balance import LoadBalance
+from torchtitan.datasets.layout import Batch
 from torchtitan.models.deepseek_v3 import deepseek_v3_configs
 from torchtitan.models.deepseek_v3.model import Transformer as DeepSeekV3Transformer
 from torchtitan.models.init import clean_fqn
@@ -45,9 +45,10 @@ from torchtitan.models.qwen3 import Qwen3ModelArgs
 from torchtitan.models.qwen3.model import Transformer as Qwen3Transformer
 from torchtitan.models.qwen3_moe import Qwen3MoeModelArgs
 from torchtitan.models.qwen3_moe.model import Transformer as Qwen3MoeTransformer
+from torchtitan.objective.chunked_cross_entropy import chunked_cross_entropy
 from torchtitan.parallelisms.context_parallel import load_balanced_positions
 from torchtitan.parallelisms.distributed import clip_grad_norm_
-from torchtitan.parallelisms.parallel_dims import ParallelDims
+from torchtitan.parallelisms.parallel_dims import Meshes, ParallelDims
 from torchtitan.parallelisms.parallelize import (
     apply_ac,
     apply_compile,
@@ -359,7 +360,7 @@ def _chunked_function_diffs(tp_mesh) -> dict[str, list[float]]:
                 h.clone().requires_grad_(),
                 distribute_tensor(weight, tp_mesh, [Shard(0)]).requires_grad_(),
             ]
-            chunked = chunked_cross_entropy(*inputs, labels, chunk)
+            chunked = chunked_cross_entropy(*inputs, labels, chunk) / labels.numel()
             chunked.backward()
             grad_diffs = [(_full(x.grad) - r.grad).abs().max() for x, r in zip(inputs, reference)]
             diffs[f"{layout}_{chunk}"] = _max_over_ranks([(chunked - loss).abs(), *grad_diffs])
@@ -373,17 +374,17 @@ def _max_over_ranks(diffs: list[torch.Tensor]) -> list[float]:
     return diffs.tolist()
 
 
-def _train_step_results(model_parts, pipeline, dims: ParallelDims, config: JobConfig, tokens: torch.Tensor):
+def _train_step_results(step: TrainStep, tokens: torch.Tensor):
     """TrainStep's loss, gradients (this rank's local shards) and evaluation loss on one batch."""
-    step = TrainStep(model_parts, pipeline, dims, config.training, torch.device("cpu"))
-    batch = (tokens[:, :-1], tokens[:, 1:])
+    model_parts, batch = step.model_parts, Batch.of_windows(tokens)
     loss = step.forward_backward(iter([batch]))
     grads = {
         clean_fqn(n): p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         for part in model_parts
         for n, p in part.named_parameters()
     }
-    return _full(loss), grads, _full(step.evaluate(iter([batch]))[0])  # loss parallel's are DTensors
+    evaluation = step.objective.mean_over_ranks(*step.evaluate(iter([batch]))[:2])
+    return _full(loss), grads, torch.tensor(evaluation)  # loss parallel's are DTensors
 
 
 def _chunked_step_diffs(mesh, dims: ParallelDims, tokens: torch.Tensor, **parallelism) -> list[float]:
@@ -396,11 +397,13 @@ def _chunked_step_diffs(mesh, dims: ParallelDims, tokens: torch.Tensor, **parall
         config.training.batch_size, config.training.loss_chunk_tokens = tokens.shape[0], chunk
         with torch.device("meta"):
             model = Transformer(TINY)
-        model_parts, pipeline = parallelize_model(model, mesh, dims, config, torch.device("cpu"))
+        objective = objective_of(config, TINY, dims, mesh)
+        model_parts, pipeline = parallelize_model(model, mesh, dims, config, torch.device("cpu"), objective)
         for part in model_parts:
             part.to_empty(device="cpu")
             part.init_weights(SEED)
-        results.append(_train_step_results(model_parts, pipeline, dims, config, tokens))
+        step = step_of(model_parts, config, dims, mesh, pipeline, objective)
+        results.append(_train_step_results(step, tokens))
     (loss, grads, evaluation), (chunked_loss, chunked_grads, chunked_evaluation) = results
     assert grads.keys() == chunked_grads.keys() and grads
     grad_diff = max((chunked_grads[n] - g).abs().max() for n, g in grads.items())
@@ -420,8 +423,8 @@ def _moe_step(model: nn.Module, tokens: torch.Tensor, dp_mesh, worst_case: bool,
         with torch.no_grad():
             for moe in (m for m in model.modules() if isinstance(m, MoE)):
                 moe.expert_bias.copy_(torch.tensor(WORST_CASE_BIAS))
-    config = MoEConfig(sequence_aux_loss_coeff=SEQUENCE_AUX)
-    balance = LoadBalance([model], config, dp=dp_mesh, pp=None, tp=tp_mesh)
+    config = MoEConfig(sequence_aux_loss_weight=SEQUENCE_AUX)
+    balance = load_balance(model, config, Meshes(None, None, None, tp=tp_mesh, dp_cp=dp_mesh))
     loss = _loss(model, tokens)
     (loss + 0.001 * balance.aux_loss() + SEQUENCE_AUX * balance.sequence_aux_loss()).backward()
     metrics = balance.step_done()
@@ -453,7 +456,8 @@ def _sequence_loss_step(mesh=None, dims: ParallelDims | None = None) -> tuple:
         positions = load_balanced_positions(16, cp.size(), cp.get_local_rank())
         x = x[2 * dp.get_local_rank() : 2 * dp.get_local_rank() + 2][:, positions]
         fully_shard(part, mesh=fsdp_mesh(mesh, dims))
-    balance = LoadBalance([part], MoEConfig(aux_loss_coef=0.0, sequence_aux_loss_coeff=1.0), dp, None, cp=cp)
+    config = MoEConfig(aux_loss_weight=0.0, sequence_aux_loss_weight=1.0)
+    balance = load_balance(part, config, Meshes(None, None, None, cp=cp, dp_cp=dp))
     (part(x).pow(2).mean() + balance.sequence_aux_loss()).backward()
     return balance.step_done()["seq_aux_loss"], _full(moe.router.weight.grad)
 
@@ -464,14 +468,14 @@ def _bf16_step(args, cls, dims: ParallelDims | None, tokens: torch.Tensor, **par
     config = _config(**parallelism)
     config.training.mixed_precision_param, config.training.batch_size = "bfloat16", tokens.shape[0]
     config.model.name = "qwen3" if cls is Qwen3Transformer else "llama3"
-    model = _build(args, dims.build_mesh("cpu") if dims else None, dims, config, cls)
+    mesh = dims.build_mesh("cpu") if dims else None
+    model = _build(args, mesh, dims, config, cls)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.add_(0.003)
-    dims = dims or ParallelDims(dp_shard=1, world_size=1)
-    step = TrainStep([model], None, dims, config.training, torch.device("cpu"))
-    loss = step.forward_backward(iter([(tokens[:, :-1], tokens[:, 1:])]), microbatches=1)
+    step = step_of([model], config, dims, mesh)
+    loss = step.forward_backward(iter([Batch.of_windows(tokens)]), microbatches=1)
     return _full(loss), {clean_fqn(n): _full(p.grad) for n, p in model.named_parameters()}
 
 
@@ -875,9 +879,9 @@ def _compiled_graphs(args, cls, name: str, mesh, dims: ParallelDims, gather: str
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     model = _build(args, mesh, dims, config, cls)
-    step = TrainStep([model], None, dims, config.training, torch.device("cpu"))
+    step = step_of([model], config, dims, mesh)
     tokens = torch.randint(0, args.vocab_size, (1, 17), generator=torch.Generator().manual_seed(0))
-    step.forward_backward(iter([(tokens[:, :-1], tokens[:, 1:])]), microbatches=1)
+    step.forward_backward(iter([Batch.of_windows(tokens)]), microbatches=1)
     counters = torch._dynamo.utils.counters
     return {
         "graphs": counters["stats"]["unique_graphs"],

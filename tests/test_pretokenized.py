@@ -259,7 +259,10 @@ def test_resume_on_any_layout_and_global_batch(tok, folder, tmp_path):
         next(it)
     state = copy.deepcopy(dl.state_dict())
     assert state["dataset_state"]["pretokenized"].tolist() == [0, 4 * taken, 0, 4]
-    expected = [torch.cat([torch.cat([x, y[:, -1:]], 1) for x, y in (next(it), next(it))]) for _ in range(6)]
+    expected = [
+        torch.cat([torch.cat([b.inputs, b.labels[:, -1:]], 1) for b in (next(it), next(it))])
+        for _ in range(6)
+    ]
 
     (same,) = loaders(tok, folder, (1, 2, 2), shuffle=True)
     same.load_state_dict(copy.deepcopy(state))
@@ -280,7 +283,7 @@ def test_resume_on_any_layout_and_global_batch(tok, folder, tmp_path):
     (larger,) = loaders(tok, folder, (1, 8))
     larger.load_state_dict(copy.deepcopy(state))
     first = 4 * taken if 4 * taken + 8 <= n_windows else 0
-    assert torch.equal(next(iter(larger))[0], reference(tok, first, 8)[:, :-1])
+    assert torch.equal(next(iter(larger)).inputs, reference(tok, first, 8)[:, :-1])
 
 
 def test_finite_pass_is_in_order_and_restarts(tok, folder):

@@ -169,8 +169,8 @@ def check_moe(job_config: JobConfig, parallel_dims: ParallelDims, model_args: Mo
     ddp = parallel_dims.dp_replicate_enabled and not parallel_dims.fsdp_enabled
     moe = job_config.moe
     for option, coef in (
-        ("aux_loss_coef", moe.aux_loss_coef),
-        ("sequence_aux_loss_coeff", moe.sequence_aux_loss_coeff),
+        ("aux_loss_weight", moe.aux_loss_weight),
+        ("sequence_aux_loss_weight", moe.sequence_aux_loss_weight),
     ):
         if parallel_dims.pp_enabled and coef and ddp:
             raise ConfigError(

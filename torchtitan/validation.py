@@ -2,10 +2,10 @@
 
 Every evaluation reads the same windows from the start of the validation data, laid out like the
 training data (global batch k holds the same windows whatever the layout), runs forward only, and
-reports the mean cross entropy over every token evaluated: batches hold equally many tokens, so it
-is the mean of the per-batch means over the batches and the data- and context-parallel ranks. Chat data
-(`[chat]`, validation.steps batches of the validation split's conversations): the mean over the tokens
-trained on (chat.loss_on), their summed loss over every rank over their count. Training is left
+reports the mean cross entropy over every target evaluated, the objective's normalisation
+(torchtitan/objective/objective.py): their summed loss over every rank over their count. For chat data
+(`[chat]`, validation.steps batches of the validation split's conversations) the targets are the
+tokens trained on (chat.loss_on). Training is left
 as it was: the model's mode is restored, no random numbers are drawn, the training data loader is
 not touched, and the metric logger leaves the time out of the training throughput."""
 
@@ -26,7 +26,7 @@ from torchtitan.datasets.tokenizer import AnyTokenizer
 from torchtitan.errors import bad_input
 from torchtitan.logging import logger
 from torchtitan.models import vocab_size
-from torchtitan.parallelisms.distributed import dist_min, dist_sum, global_mean_loss
+from torchtitan.parallelisms.distributed import dist_min
 from torchtitan.parallelisms.parallel_dims import Meshes
 from torchtitan.train_step import TrainStep
 
@@ -118,17 +118,9 @@ class Validator:
             batches = itertools.islice(batches, self.steps)
         if on_batch is not None:
             batches = _reported(batches, on_batch)
-        loss_sum, count = self.train_step.evaluate(batches)
-        if (
-            self.chat
-        ):  # the sum over the trained tokens of every rank's batches (and shares), over their count
-            ranks = self.meshes.dp_cp.size() if self.meshes.dp_cp is not None else 1
-            trained = self.train_step.evaluated_trained_tokens
-            if self.meshes.dp is not None:
-                trained = dist_sum(trained, self.meshes.dp)
-            loss = global_mean_loss(loss_sum, self.meshes) * ranks / max(trained.item(), 1)
-        else:
-            loss = global_mean_loss(loss_sum, self.meshes) / count
+        # The sum over the targets of every rank's batches (and shares), over their count.
+        loss_sum, targets, count = self.train_step.evaluate(batches)
+        loss = self.train_step.objective.mean_over_ranks(loss_sum, targets)
         return ValidationResult(loss, count * self.tokens_per_batch, time.perf_counter() - start)
 
 

@@ -203,9 +203,10 @@ def mla_layer_gathered_bytes(flavor: str, seq_len: int, cp_mesh, gather_latents:
     from torchtitan.parallelisms.context_parallel import apply_cp
 
     args = replace(deepseek_v3_configs[flavor], max_seq_len=seq_len)
-    holder = nn.Module()  # apply_cp's view of a model: its blocks' attention modules
+    holder = nn.Module()  # apply_cp's view of a model: its blocks (`blocks()`), their attention modules
     holder.layers = nn.ModuleDict({"0": nn.Module()})
     holder.layers["0"].attention = attention = Attention(args)
+    holder.blocks = lambda: [(holder.layers, "0", 0)]
     with seeded_init(attention, 0):
         attention.init_weights(0.02)
     apply_cp(holder, cp_mesh, gather_latents=gather_latents)

@@ -99,7 +99,8 @@ def dsv3_argv(small: bool, experts: int) -> list[str]:
     argv = [
         "--job.config_file", str(ROOT / "train_configs" / "deepseek_v3_debug.toml"),
         "--model.vocab_size", "129280", "--model.attn_mask_type", "causal",
-        "--moe.aux_loss_coef", "0", "--moe.bias_update_rate", "0.001", "--moe.sequence_aux_loss_coeff", "0",
+        "--moe.aux_loss_weight", "0", "--moe.bias_update_rate", "0.001",
+        "--moe.sequence_aux_loss_weight", "0",
         "--optimizer.implementation", "fused", "--optimizer.lr", "2.2e-4",
         "--lr_scheduler.warmup_steps", "10",
         "--training.batch_size", "1", "--training.seq_len", "4096", "--training.global_batch_size", "-1",

@@ -197,6 +197,12 @@ class TrainingConfig:
         "PP the last stage's loss projects (docs/performance.md); 0: project all at once",
         min=0,
     )
+    z_loss_weight: float = opt(
+        0.0,
+        "Weight of the z-loss added to the training loss (PaLM): the mean over the targets of log(Z)^2, Z "
+        "the softmax's normaliser, which keeps the logits from drifting (docs/objectives.md); 0: off",
+        min=0.0,
+    )
     skip_nonfinite_steps: bool = opt(
         False,
         "On a NaN/Inf gradient norm, skip the step (no optimizer step; counted as skipped_steps in "
@@ -398,11 +404,12 @@ class CommConfig:
 
 @dataclass
 class MoEConfig:
-    aux_loss_coef: float = opt(
+    aux_loss_weight: float = opt(
         0.001,
         "Mixture-of-experts models: weight of the auxiliary load-balancing loss in the training loss "
         "(Hugging Face's router_aux_loss_coef; Qwen3-MoE's is 0.001); 0: off (docs/moe.md)",
         min=0.0,
+        old_names=("aux_loss_coef",),
     )
     bias_update_rate: float = opt(
         0.0,
@@ -410,11 +417,12 @@ class MoEConfig:
         "every expert's routing bias by this much against its load (DeepSeek-V3: 0.001); 0: off",
         min=0.0,
     )
-    sequence_aux_loss_coeff: float = opt(
+    sequence_aux_loss_weight: float = opt(
         0.0,
         "Mixture-of-experts models: weight (alpha) of DeepSeek-V3's sequence-wise balance loss, each "
         "sequence's experts balanced within it (DeepSeek-V3: 0.0001); 0: off (docs/moe.md)",
         min=0.0,
+        old_names=("sequence_aux_loss_coeff",),
     )
 
 

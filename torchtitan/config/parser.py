@@ -17,6 +17,7 @@ from typing import Any, Union
 
 from torchtitan.config.options import ConfigError, JobConfig, default_of
 from torchtitan.config.paths import check_file, shown
+from torchtitan.logging import logger
 
 try:
     import tomllib
@@ -109,6 +110,30 @@ def _option_table() -> dict[str, tuple[str, str, Any, dict]]:
     }
 
 
+def _renames() -> dict[str, str]:
+    """'section.old_name' -> 'section.name' for every option renamed (its declaration's `old_names`)."""
+    return {
+        f"{sec}.{old}": key for key, (sec, _, _, meta) in _option_table().items() for old in meta["old_names"]
+    }
+
+
+_NOTICED: set[str] = set()
+
+
+def _new_name(key: str, renames: dict[str, str], given: set[str], where: str, dashes: str = "") -> str:
+    """The option's name now: a former name is still read, with a deprecation notice (once a process);
+    given with its new name as well, it is an error (which one should win is not for us to guess)."""
+    if key not in renames:
+        return key
+    old, new = dashes + key, dashes + renames[key]
+    if renames[key] in given:
+        raise ConfigError(f"{old} and {new} both given {where}: {old} is {new}'s old name; keep only {new}")
+    if key not in _NOTICED:
+        _NOTICED.add(key)
+        logger.warning(f"{old} is deprecated: use {new} (same meaning)")
+    return renames[key]
+
+
 # A negative number in any notation Python reads (-5, -.5, -1e-4, -1E+3, -inf): argparse's own pattern
 # (-5, -.5) leaves the others to be read as options ("--optimizer.lr -1e-4": expected one argument).
 NEGATIVE_NUMBER = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?|-(inf|infinity|nan)", re.IGNORECASE)
@@ -163,6 +188,7 @@ def _build_arg_parser() -> OneLineParser:
         for f in fields(cls):
             _, _, tp, meta = table[f"{sec}.{f.name}"]
             extra = f"; one of {', '.join(map(str, meta['choices']))}" if meta["choices"] else ""
+            extra += "".join(f"; formerly --{sec}.{old}, still read" for old in meta["old_names"])
             group.add_argument(
                 f"--{sec}.{f.name}",
                 dest=f"{sec}.{f.name}",
@@ -181,13 +207,14 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         parser.print_help()
         raise SystemExit(0)
     table = _option_table()
+    argv = _with_new_names(argv)
     for arg in argv:
         if arg.startswith("--") and arg[2:].split("=", 1)[0] not in table:
             name = arg[2:].split("=", 1)[0]
             raise ConfigError(f"unknown option --{shown(name)}{_closest(name, list(table))}")
     overrides = vars(parser.parse_args(argv))
     config_file = overrides.pop("job.config_file", None)
-    toml_data = load_toml(config_file) if config_file else {}
+    toml_data = _toml_with_new_names(load_toml(config_file)) if config_file else {}
     config = from_dict(toml_data)
     config.job.config_file = config_file
     in_file = {f"{sec}.{name}" for sec, values in toml_data.items() for name in values}
@@ -197,6 +224,36 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         value = _check_value(f"--{key}", _parse_cli_value(key, text, tp), tp, meta)
         setattr(getattr(config, sec), name, value)
     return config
+
+
+def _with_new_names(argv: list[str]) -> list[str]:
+    """The command line with each option given by a former name given by its new one."""
+    renames = _renames()
+    given = {arg[2:].split("=", 1)[0] for arg in argv if arg.startswith("--")}
+
+    def renamed(arg: str) -> str:
+        if not arg.startswith("--"):
+            return arg
+        name, eq, value = arg[2:].partition("=")
+        return f"--{_new_name(name, renames, given, 'on the command line', '--')}{eq}{value}"
+
+    return [renamed(arg) for arg in argv]
+
+
+def _toml_with_new_names(data: dict[str, Any]) -> dict[str, Any]:
+    """The TOML file's tables with each option set by a former name set by its new one."""
+    renames = _renames()
+    renamed: dict[str, Any] = {}
+    for sec, values in data.items():
+        if not isinstance(values, dict):  # from_dict refuses it
+            renamed[sec] = values
+            continue
+        given = {f"{sec}.{name}" for name in values}
+        renamed[sec] = {
+            _new_name(f"{sec}.{name}", renames, given, "in job.config_file").split(".", 1)[1]: value
+            for name, value in values.items()
+        }
+    return renamed
 
 
 def load_toml(path: str) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from torchtitan.datasets.sources import (
     source_files,
 )
 from torchtitan.datasets.streams import MapDocuments, StreamingDocuments, TextStreams
-from torchtitan.datasets.text import TextDataset
+from torchtitan.datasets.text import StreamsDataset
 from torchtitan.errors import bad_input
 from torchtitan.logging import logger
 
@@ -187,28 +187,23 @@ class ChatStreams(TextStreams):
         self.load(self.fresh_state())
 
 
-class ChatDataset(TextDataset):
-    """A data-parallel rank's micro-batches of chat data: `TextDataset`'s rows and state, each row a
-    window of whole conversations. It never ends (chat data has no finite pass yet)."""
+class ChatDataset(StreamsDataset):
+    """A data-parallel rank's micro-batches of chat data: its chat streams' rows and state (text.py's
+    `StreamsDataset`), each row a window of whole conversations. It never ends (chat data has no finite
+    pass yet)."""
 
     def __init__(
         self, dataset_name: str, ds: Any, encoder: ChatEncoder, seq_len: int, pad_id: int, layout: BatchLayout
     ):
-        # Not TextDataset.__init__: the streams are chat streams; the rest (rows, state) is shared.
-        self.dataset_name = dataset_name
-        self.seq_len = seq_len
-        self._groups = layout.micro_batch_rows()
-        self._text = ChatStreams(
-            dataset_name, ds, encoder, seq_len, pad_id, layout.global_batch, layout.rows()
-        )
-        self._finite_steps = None
+        streams = ChatStreams(dataset_name, ds, encoder, seq_len, pad_id, layout.global_batch, layout.rows())
+        super().__init__(dataset_name, streams, seq_len, layout)
 
     def check_trainable(self) -> None:
-        self._text.check_trainable()
+        self._streams.check_trainable()
 
     def _batch(self, rows: list[int]) -> Batch:
-        windows = [self._text.next_window(s) for s in rows]
-        return tuple(torch.stack(parts) for parts in zip(*windows))
+        windows = [self._streams.next_window(s) for s in rows]
+        return Batch(*(torch.stack(parts) for parts in zip(*windows)))
 
 
 def build_chat_dataset(

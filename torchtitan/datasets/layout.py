@@ -7,15 +7,41 @@ micro-batch m of rank r rows ``m * D * b + r * b + [0, b)`` (D ranks, per-rank b
 """
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from torchtitan.logging import logger
 
-# (input ids, labels), and for chat data each token's position in its conversation (chat_data.py).
-Batch = tuple[torch.Tensor, ...]
-IGNORE_INDEX = -100  # a label without loss (chat data's): F.cross_entropy's default ignore_index
+IGNORE_INDEX = -100  # a label without a target (chat prompts, padding): F.cross_entropy's ignore_index
+
+
+@dataclass
+class Batch:
+    """A micro-batch of a rank's rows: `inputs` (rows, seq_len) token ids; `labels` the next tokens,
+    IGNORE_INDEX where there is no target (chat data's untrained tokens, padding); `positions` each
+    token's position in its conversation (chat data, whose documents are its conversations), None for
+    packed text, whose documents the model finds from the tokens."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor | None = None
+
+    def parts(self) -> tuple[torch.Tensor | None, ...]:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Batch":
+        """The batch with `fn` applied to each of its tensors (a slice of rows, a copy to the device)."""
+        return Batch(*(None if t is None else fn(t) for t in self.parts()))
+
+    def pin_memory(self) -> "Batch":
+        """In page-locked memory (torch's DataLoader calls this with pin_memory)."""
+        return self.map(torch.Tensor.pin_memory)
+
+    @classmethod
+    def of_windows(cls, windows: torch.Tensor) -> "Batch":
+        """Packed text's batch from its (rows, seq_len + 1) windows: each token predicts the next."""
+        return cls(windows[:, :-1], windows[:, 1:])
 
 
 def micro_batch_rows(
@@ -71,19 +97,18 @@ class StepCursor:
         self.micro = 0  # micro-batches of the current step already made
 
     def rest_of_step(
-        self, make: Callable[[list[int]], torch.Tensor], step_done: Callable[[], None]
+        self, make: Callable[[list[int]], Batch], step_done: Callable[[], None]
     ) -> Iterator[Batch]:
-        """``(input_ids, labels)`` of the step's micro-batches left, `make` giving a micro-batch's windows
-        from its rows; `step_done` counts the step before its last micro-batch is handed out, so that the
-        state taken after a step includes it."""
+        """The step's micro-batches left, `make` giving a micro-batch from its rows; `step_done` counts
+        the step before its last micro-batch is handed out, so that the state taken after a step
+        includes it."""
         for m in range(self.micro, len(self.micro_rows)):
             batch = make(self.micro_rows[m])
             self.micro = m + 1
             if self.micro == len(self.micro_rows):
                 step_done()
                 self.micro = 0
-            # Text windows of seq_len + 1 tokens; chat rows (a mixture's) stack ids, labels and positions.
-            yield (batch[:, :-1], batch[:, 1:]) if batch.ndim == 2 else tuple(batch.unbind(1))
+            yield batch
 
     def keep_share(self, worker: int, num_workers: int) -> None:
         self.micro_rows = worker_share(self.micro_rows, worker, num_workers)

@@ -216,7 +216,8 @@ class DataLoader(Stateful):
         for first in parts:
             shares = [first] + [next(parts) for _ in range(self.num_workers - 1)]
             self._state = [s[1] for s in shares]  # merged when asked for: rarely, not every batch
-            yield tuple(self._join(parts) for parts in zip(*(s[0] for s in shares)))
+            rows = zip(*(share.parts() for share, _ in shares))
+            yield Batch(*(None if parts[0] is None else self._join(parts) for parts in rows))
 
     def _on_time(self, items: Iterator[T], maker: Callable[[int], str]) -> Iterator[T]:
         """`items`, each within `timeout` seconds, else a DataLoaderError naming `maker(i)`, what makes

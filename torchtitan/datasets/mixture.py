@@ -142,6 +142,7 @@ class MixtureDataset(IterableDataset, Stateful):
     ):
         """`sources`' text readers must hold the streams of this rank's rows (`BatchLayout.rows`)."""
         self.sources = sources
+        self._chat = isinstance(sources[0].reader, ChatSource)  # chat.enable: every source is conversations
         self.seq_len = seq_len
         self.seed = seed
         self._cursor = StepCursor(BatchLayout(batch_size, dp_world_size, dp_rank, grad_accum_steps))
@@ -167,8 +168,10 @@ class MixtureDataset(IterableDataset, Stateful):
                 functools.partial(self._step_done, choices),
             )
 
-    def _micro_batch(self, choices: np.ndarray, rank_in_source: np.ndarray, rows: list[int]) -> torch.Tensor:
-        return torch.stack([self._read(row, choices[row], rank_in_source[row]) for row in rows])
+    def _micro_batch(self, choices: np.ndarray, rank_in_source: np.ndarray, rows: list[int]) -> Batch:
+        stacked = torch.stack([self._read(row, choices[row], rank_in_source[row]) for row in rows])
+        # Chat rows stack their ids, labels and positions; text rows are windows of seq_len + 1 tokens.
+        return Batch(*stacked.unbind(1)) if self._chat else Batch.of_windows(stacked)
 
     def _step_done(self, choices: np.ndarray) -> None:
         self.rows += np.bincount(choices, minlength=len(self.sources))

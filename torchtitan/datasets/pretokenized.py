@@ -329,9 +329,11 @@ class PretokenizedDataset(IterableDataset, Stateful):
                 order = self._order()
             yield from self._cursor.rest_of_step(functools.partial(self._micro_batch, order), self._step_done)
 
-    def _micro_batch(self, order: Callable[[int], int], rows: list[int]) -> torch.Tensor:
+    def _micro_batch(self, order: Callable[[int], int], rows: list[int]) -> Batch:
         windows = [order(self.consumed + row) for row in rows]
-        return torch.from_numpy(np.stack([self.windows.read(w) for w in windows]).astype(np.int64))
+        return Batch.of_windows(
+            torch.from_numpy(np.stack([self.windows.read(w) for w in windows]).astype(np.int64))
+        )
 
     def _step_done(self) -> None:
         self.consumed += self.global_batch

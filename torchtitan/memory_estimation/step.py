@@ -10,19 +10,20 @@ import torch
 
 from torchtitan.config.options import ConfigError, JobConfig
 from torchtitan.config.paths import resolve_path
+from torchtitan.datasets.layout import Batch
 from torchtitan.datasets.tokenizer import build_tokenizer
 from torchtitan.errors import bad_input
-from torchtitan.load_balance import LoadBalance
 from torchtitan.memory_estimation.torch_internals import FakeTensorMode
 from torchtitan.models import build_model_args, model_spec
 from torchtitan.models import vocab_size as padded_vocab_size
+from torchtitan.objective import Objective
 from torchtitan.optimizers import build_optimizer
 from torchtitan.parallelisms.distributed import clip_grad_norm_
-from torchtitan.parallelisms.parallel_dims import ParallelDims
-from torchtitan.parallelisms.parallelize import loss_skips_output, parallelize
+from torchtitan.parallelisms.parallel_dims import Meshes, ParallelDims
+from torchtitan.parallelisms.parallelize import autocast_context, loss_skips_output, parallelize
 from torchtitan.parallelisms.pipeline import StageIO, split_model
 from torchtitan.parallelisms.pipeline_layout import num_microbatches, stage_layers
-from torchtitan.train_step import TrainStep, autocast_context, parallelize_model
+from torchtitan.train_step import TrainStep, parallelize_model
 
 
 def vocab_size_of(cfg: JobConfig) -> int:
@@ -121,7 +122,12 @@ def build_step(
         stage_io = pipeline_stage_io(
             model, world_mesh, parallel_dims, cfg, device, fake_mode, autocast, vocab_size
         )
-    model_parts, pipeline = parallelize_model(model, world_mesh, parallel_dims, cfg, device, stage_io)
+    # The trainer's objective; its count of the step's targets runs on the fake process group.
+    meshes = parallel_dims.meshes_of(world_mesh) if world_mesh is not None else Meshes(None, None, None)
+    objective = Objective(cfg, model_args, parallel_dims, meshes, device)
+    model_parts, pipeline = parallelize_model(
+        model, world_mesh, parallel_dims, cfg, device, objective, stage_io
+    )
     moe = model_spec(cfg.model).moe
     with fake_mode or contextlib.nullcontext():
         for part in model_parts:
@@ -131,36 +137,17 @@ def build_step(
             part.train()
     optimizer = build_optimizer(model_parts, cfg.optimizer)
     params = [p for part in model_parts for p in part.parameters() if p.requires_grad]
-    pp_mesh = world_mesh["pp"] if parallel_dims.pp_enabled else None
-    load_balance = None
     # A mixture of experts' auxiliary loss holds its router statistics' graph until backward. The bias
-    # update after the optimizer step (LoadBalance.step_done) takes a few bytes per expert: left out.
-    if moe:
-        # The ranks whose tokens differ, data-parallel and context-parallel (as train.py's).
-        spans_ranks = parallel_dims.dp_enabled or parallel_dims.cp_enabled
-        dp_cp_mesh = world_mesh[parallel_dims.dp_cp_dim()] if spans_ranks else None
-        load_balance = LoadBalance(model_parts, cfg.moe, dp_cp_mesh, pp_mesh)
+    # update after the optimizer step (the objective's step_done) takes a few bytes per expert: left out.
     # Under context parallelism the step takes each rank's tokens of the whole (batch, seq_len) batch.
-    cp_mesh = world_mesh["cp"] if parallel_dims.cp_enabled else None
-    # Multi-token prediction: its depths' targets are shifted on the host, each depth's loss is the
-    # trainer's; the targets' count needs no dp mesh here (its values do not matter).
-    train_step = TrainStep(
-        model_parts,
-        pipeline,
-        parallel_dims,
-        cfg.training,
-        device,
-        load_balance,
-        cp_mesh,
-        mtp_loss_weight=cfg.model.mtp_loss_weight,
-    )
+    train_step = TrainStep(model_parts, pipeline, objective, parallel_dims, cfg.training, device, meshes.cp)
     # Later micro-batches of an accumulation are alike: the first and the last stand for them all.
     microbatches = min(train_step.grad_accum_steps, 2)
     shape = (cfg.training.batch_size, cfg.training.seq_len)
 
-    def random_batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def random_batches() -> Iterator[Batch]:
         while True:
-            yield (
+            yield Batch(
                 torch.randint(0, vocab_size, shape, device=device),
                 torch.randint(0, vocab_size, shape, device=device),
             )
@@ -168,7 +155,7 @@ def build_step(
     def forward_backward() -> None:
         optimizer.zero_grad()
         train_step.forward_backward(random_batches(), microbatches)
-        clip_grad_norm_(params, cfg.training.max_norm, pp_mesh)
+        clip_grad_norm_(params, cfg.training.max_norm, meshes.pp)
 
     schedule = pipeline.schedule if pipeline is not None else None
     return SimulatedStep(model_parts, optimizer, forward_backward, optimizer.step, schedule)

@@ -4,14 +4,15 @@ A router scores each token against every expert (in float32, whatever the parame
 top-k experts (chosen on the scores plus a balancing bias) each run a SwiGLU on it, and the token's
 output is their outputs weighted by its scores for them, plus an optional always-on shared expert.
 
-Three ways to keep the experts evenly loaded, each optional (torchtitan/load_balance.py runs them):
+Three ways to keep the experts evenly loaded, each optional (torchtitan/objective/load_balance.py runs them):
 - the auxiliary loss of the Switch Transformer as transformers' Qwen3-MoE computes it: each forward
   keeps, per layer, how many tokens went to each expert and the sum of their router probabilities;
 - DeepSeek-V3's auxiliary-loss-free bias (`expert_bias`, a buffer saved in checkpoints): added to the
   scores for choosing the experts only, and moved after each optimizer step against the load counted
   in `tokens_per_expert`;
-- DeepSeek-V3's sequence-wise balance loss (`sequence_balance`), which complements the bias: each
-  forward keeps the same two statistics per layer and per sequence (a row of the batch).
+- DeepSeek-V3's sequence-wise balance loss (`sequence_balance` in torchtitan/objective/load_balance.py),
+  which complements the bias: each forward keeps the same two statistics per layer and per sequence
+  (a row of the batch).
 """
 
 import torch
@@ -19,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan.models.decoder import FeedForward
 from torchtitan.models.init import trunc_normal_
-from torchtitan.models.llama.model import FeedForward
 
 
 def _training_forward() -> bool:
@@ -246,15 +247,3 @@ class MoE(nn.Module):
                 self.tokens_per_expert += counts
         routed = tokens.repeat_interleave(self.top_k, dim=0)[order]
         return self.experts(routed, counts)[torch.argsort(order)]
-
-
-def sequence_balance(counts: torch.Tensor, score_sums: torch.Tensor, top_k: int) -> torch.Tensor:
-    """DeepSeek-V3's sequence-wise balance loss (eqs. 17-20, without alpha) of each sequence, from its
-    (token, choice) counts per expert, (..., experts), over all of the sequence's tokens, and the sums of
-    its tokens' normalised scores s'_{t,e} per expert, over all of them or over a share (this rank's
-    tokens): with T = sum_e counts_e / K tokens, f_e = E counts_e / (K T) (no gradient) and
-    P_e = score_sums_e / T, sum_e f_e P_e, (...); on a share of the tokens, that share of it: the
-    shares of a sequence's tokens add up to its loss, and their gradients to its gradient."""
-    tokens = counts.sum(-1, keepdim=True) / top_k
-    f = counts.shape[-1] * counts / (top_k * tokens)
-    return (f * score_sums / tokens).sum(-1)

@@ -11,43 +11,19 @@ i+k+1. Every depth attends causally (within documents, with RoPE from each docum
 the main blocks.
 
 The shift is taken on the host, on whole sequences, before context parallelism shares their tokens out
-and before the pipeline splits the batch (`mtp_targets`): depth k's input tokens and targets travel
-beside the batch's, sharded like them, so no rank needs another's tokens. A target that is not in the
-token's own document, or lies beyond the window, is IGNORE_INDEX: a document's last k+1 positions and
-the window's have none at depth k, and positions without a target only ever feed later positions of
-their own document (which have none either), so what a document learns is what it would learn alone.
+and before the pipeline splits the batch (`mtp_targets`, torchtitan/objective/mtp.py): depth k's input
+tokens and targets travel beside the batch's, sharded like them, so no rank needs another's tokens. A
+target that is not in the token's own document, or lies beyond the window, is IGNORE_INDEX: a document's
+last k+1 positions and the window's have none at depth k, and positions without a target only ever feed
+later positions of their own document (which have none either), so what a document learns is what it
+would learn alone.
 """
 
 import torch
 from torch import nn
 
+from torchtitan.models.decoder import Decoder, RMSNorm, upcast
 from torchtitan.models.init import trunc_normal_
-from torchtitan.models.llama.model import RMSNorm, Transformer
-
-# F.cross_entropy's ignore_index (the data's IGNORE_INDEX, torchtitan/datasets/layout.py).
-IGNORE_INDEX = -100
-
-
-def mtp_targets(
-    tokens: torch.Tensor, labels: torch.Tensor, document_ids: torch.Tensor | None, depths: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bs, seqlen, depths) input tokens and targets of the MTP depths for a (bs, seqlen) batch whose
-    `labels` are the next tokens (label i = token i+1; IGNORE_INDEX where untrained, e.g. chat prompts):
-    depth k (index k-1) at position i takes token i+k and targets label i+k (token i+k+1), kept only when
-    i+k+1 is inside the window and in the same document as i (`document_ids`: block_causal's; None: the
-    window is one document). Elsewhere the input token is 0 and the target IGNORE_INDEX."""
-    bs, seqlen = tokens.shape
-    ids = document_ids if document_ids is not None else torch.zeros_like(tokens)
-    inputs = torch.zeros(bs, seqlen, depths, dtype=tokens.dtype, device=tokens.device)
-    targets = torch.full((bs, seqlen, depths), IGNORE_INDEX, dtype=labels.dtype, device=labels.device)
-    for k in range(1, depths + 1):
-        span = seqlen - k - 1  # positions whose token i+k+1 is inside the window
-        if span <= 0:
-            continue
-        same = ids[:, :span] == ids[:, k + 1 : k + 1 + span]
-        inputs[:, :span, k - 1] = torch.where(same, tokens[:, k : k + span], 0)
-        targets[:, :span, k - 1] = torch.where(same, labels[:, k : k + span], IGNORE_INDEX)
-    return inputs, targets
 
 
 class MTPLayer(nn.Module):
@@ -78,25 +54,8 @@ class MTPLayer(nn.Module):
         return self.block(h, freqs_cis, documents)
 
 
-def mtp_depths(model: nn.Module) -> int:
-    """The model's MTP depths (0 for a family without them, or a pipeline stage before the last)."""
-    mtp = getattr(model, "mtp", None)
-    return len(mtp) if mtp is not None else 0
-
-
-def block_slots(model: nn.Module) -> list[tuple[nn.Module, str, int]]:
-    """Every transformer block of `model` (a whole model or a pipeline stage) as (its parent, its name
-    there, its layer index): the main blocks (`layers`), then each MTP depth's (layer n_layers + k - 1),
-    for the parallelisms that wrap or split blocks (TP, EP, activation checkpointing, compile, FSDP)."""
-    slots = [(model.layers, name, int(name)) for name in model.layers]
-    n_layers = model.model_args.n_layers
-    for k, layer in enumerate(getattr(model, "mtp", None).values() if mtp_depths(model) else []):
-        slots.append((layer, "block", n_layers + k))
-    return slots
-
-
-class MTPTransformer(Transformer):
-    """A Llama-shaped decoder with `model_args.mtp_layers` MTP depths (`mtp`, a ModuleDict of MTPLayer
+class MTPTransformer(Decoder):
+    """The shared decoder with `model_args.mtp_layers` MTP depths (`mtp`, a ModuleDict of MTPLayer
     keyed "0".."D-1"; None without them, and on pipeline stages before the last).
 
     forward(tokens, mtp_embeddings=None, *, mtp_tokens=None, ...): without `mtp_tokens` (and on a model
@@ -117,8 +76,36 @@ class MTPTransformer(Transformer):
             )
 
     def init_extra_weights(self) -> None:
-        for layer in self.mtp.values() if self.mtp is not None else []:
+        for layer in self.depths():
             layer.init_weights()
+
+    def depths(self) -> list[MTPLayer]:
+        """The depths held (none on a pipeline stage before the last)."""
+        return list(self.mtp.values()) if self.mtp is not None else []
+
+    def blocks(self) -> list[tuple[nn.Module, str, int]]:
+        """The main blocks, then each depth's (layer n_layers + k - 1)."""
+        n_layers = self.model_args.n_layers
+        return super().blocks() + [(layer, "block", n_layers + k) for k, layer in enumerate(self.depths())]
+
+    def sharding_units(self) -> list[nn.Module]:
+        """The main blocks, then each depth whole (its norms and projection with its block)."""
+        return super().sharding_units() + self.depths()
+
+    def head_norms(self) -> list[str]:
+        """The final norm and each depth's `norm`, which the shared output layer projects too."""
+        return super().head_norms() + [f"mtp.{k}.norm" for k in range(len(self.depths()))]
+
+    def token_wise_modules(self) -> list[str]:
+        """Each depth's input norms and projection, which run on each token alone."""
+        names = ("enorm", "hnorm", "eh_proj")
+        return [f"mtp.{k}.{name}" for k in range(len(self.depths())) for name in names]
+
+    def drop_outside(self, layers: range, is_first: bool, is_last: bool) -> None:
+        """The depths belong to the last stage, with the final norm."""
+        super().drop_outside(layers, is_first, is_last)
+        if not is_last:
+            self.mtp = None
 
     def forward(
         self,
@@ -148,4 +135,4 @@ class MTPTransformer(Transformer):
             outputs.append(layer.norm(hidden))
         if skip_output or self.output is None:
             return tuple(outputs)
-        return tuple(self.output(out).float() for out in outputs)
+        return tuple(upcast(self.output(out)) for out in outputs)

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 from torch.utils._python_dispatch import _disable_current_modes
 
+from torchtitan.models.decoder import repeat_kv
 from torchtitan.models.documents import (
     Documents,
     document_positions,
@@ -32,8 +33,6 @@ from torchtitan.models.documents import (
     in_autocast_dtype,
     uses_flex_attention,
 )
-from torchtitan.models.llama.model import repeat_kv
-from torchtitan.models.mtp import block_slots
 
 # block_causal: each of the 2 x CP chunks is cut into up to this many pieces for dealing out (measured:
 # 1.004x between ranks on average at 128K tokens on CP 8, docs/performance.md), none shorter than
@@ -374,7 +373,7 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, gather_latents: bool = True)
             documents.block_mask(rows_positions(layouts, cp_rank, documents.ids.device), key="cp")
 
     model.prepare_documents = prepare_documents
-    for parent, name, _ in block_slots(model):  # multi-token prediction's blocks too
+    for parent, name, _ in model.blocks():  # multi-token prediction's blocks too
         attention = parent.get_submodule(name).attention
         # Multi-head latent attention gathers its latents (LatentGather), its heads expanded after.
         latent = gather_latents and hasattr(attention, "latent_keys")

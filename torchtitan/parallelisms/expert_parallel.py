@@ -19,7 +19,6 @@ from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from torchtitan.models.moe import MoE
-from torchtitan.models.mtp import block_slots
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -66,7 +65,7 @@ class ExpertParallel(ParallelStyle):
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     """Expert parallelism on every mixture-of-experts layer of `model` (a whole model or a stage)."""
-    for parent, name, _ in block_slots(model):  # multi-token prediction's blocks too
+    for parent, name, _ in model.blocks():  # multi-token prediction's blocks too
         for module in parent.get_submodule(name).modules():
             if isinstance(module, MoE):
                 parallelize_module(module, ep_mesh, {"experts": ExpertParallel()})

@@ -203,7 +203,10 @@ class ParallelDims:
         """The world mesh (None on one process) and the dimensions a step communicates over."""
         if self.world_size == 1:
             return Meshes(None, None, None)
-        world = self.build_mesh(device_type)
+        return self.meshes_of(self.build_mesh(device_type))
+
+    def meshes_of(self, world: DeviceMesh) -> Meshes:
+        """The dimensions a step communicates over, of the world mesh `world`."""
         return Meshes(
             world,
             world[self.dp_mesh_name()] if self.dp_enabled else None,

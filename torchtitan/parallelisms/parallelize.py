@@ -7,6 +7,7 @@ parallelism (FSDP/HSDP over dp_shard x cp, or DDP), which shards the DTensors fu
 With pipeline parallelism it is applied to each stage's model.
 """
 
+import contextlib
 import functools
 from collections import defaultdict
 from collections.abc import Callable
@@ -27,9 +28,8 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_sel
 
 from torchtitan.config.options import JobConfig, TrainingConfig
 from torchtitan.models import model_spec
-from torchtitan.models.llama.model import RMSNorm
+from torchtitan.models.decoder import RMSNorm
 from torchtitan.models.moe import MoE
-from torchtitan.models.mtp import block_slots
 from torchtitan.parallelisms.context_parallel import apply_cp
 from torchtitan.parallelisms.distributed import device_type
 from torchtitan.parallelisms.expert_parallel import apply_ep
@@ -41,10 +41,22 @@ from torchtitan.parallelisms.vocab_parallel import vocab_parallel
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def autocast_context(
+    training_config: TrainingConfig, device: torch.device
+) -> contextlib.AbstractContextManager:
+    """The matmuls in `mixed_precision_param`, everything else in fp32, on every layout: under FSDP/DDP
+    the blocks' weights arrive in that dtype already (mixed_precision_policies)."""
+    param_dtype = DTYPES[training_config.mixed_precision_param]
+    if param_dtype != torch.float32:
+        return torch.autocast(device.type, dtype=param_dtype)
+    return contextlib.nullcontext()
+
+
 def loss_skips_output(training_config: TrainingConfig) -> bool:
     """With a chunked loss (training.loss_chunk_tokens) the model stops at its final norm (`skip_output`)
     and the loss projects the hidden states by the output weight itself, a chunk at a time
-    (chunked_loss.py): FSDP then keeps the root's parameters, that weight among them, after the forward."""
+    (objective/chunked_cross_entropy.py): FSDP then keeps the root's parameters, that weight among
+    them, after the forward."""
     return training_config.loss_chunk_tokens > 0
 
 
@@ -111,7 +123,7 @@ def mixed_precision_policies(job_config: JobConfig) -> tuple[MixedPrecisionPolic
     """FSDP's and DDP's part of the one mixed-precision semantics of every layout (docs/numerics.md):
     (the matmul weights' policy, the fp32 one of the norms' and embeddings' units: fp32_units).
 
-    Autocast runs the matmuls in `mixed_precision_param` on every layout (train_step.autocast_context)
+    Autocast runs the matmuls in `mixed_precision_param` on every layout (autocast_context)
     and keeps everything else in fp32. FSDP gathers the matmul weights in that dtype, which rounds them
     as autocast would before a matmul, at half the traffic, and the norms' weights and the embeddings
     in fp32, as autocast leaves them (or, with fsdp_gather_dtype float32, gathers the blocks whole in
@@ -156,28 +168,26 @@ def apply_tp(
     weight (both are sharded along the vocabulary)."""
     if model.tok_embeddings is not None:  # its rows split along the vocabulary, output Shard(1)
         model.tok_embeddings = vocab_parallel(model.tok_embeddings, tp_mesh)
-    root_plan = {
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(
+    # The norms before the output layer (the final one, multi-token prediction's depths') on sequence
+    # shards; a pipeline stage may lack them, the embeddings or the output.
+    root_plan = {name: SequenceParallel() for name in model.head_norms()}
+    if model.output is not None:
+        root_plan["output"] = ColwiseParallel(
             input_layouts=Shard(1),
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
-        ),
-    }
-    # A pipeline stage may lack the embeddings, the final norm or the output.
-    root_plan = {name: style for name, style in root_plan.items() if getattr(model, name) is not None}
+        )
     parallelize_module(model, tp_mesh, root_plan)
     if model.model_args.tie_word_embeddings and model.tok_embeddings is not None and model.output is not None:
         model.output.weight = model.tok_embeddings.weight  # both Shard(0): one DTensor
     styles = functools.partial(tp_styles, float8_tensorwise=float8_tensorwise)
-    for parent, name, _ in block_slots(model):
+    for parent, name, _ in model.blocks():
         block = parent.get_submodule(name)
         parallelize_module(block, tp_mesh, block_plan(block, styles))
-    for layer in model.mtp.values() if getattr(model, "mtp", None) is not None else []:
-        # Multi-token prediction's per-token parts run on this rank's tokens, as the final norm does.
-        local = SequenceParallel(use_local_output=True)
-        parallelize_module(layer, tp_mesh, {"enorm": local, "hnorm": local, "eh_proj": local})
-        parallelize_module(layer, tp_mesh, {"norm": SequenceParallel()})
+    # Modules outside the blocks that act on each token alone run on this rank's tokens, as the
+    # final norm does (multi-token prediction's input norms and projection).
+    local = SequenceParallel(use_local_output=True)
+    parallelize_module(model, tp_mesh, {name: local for name in model.token_wise_modules()})
     if async_tp:
         from torch._inductor import config as inductor_config
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
@@ -242,7 +252,7 @@ def apply_ac(model: nn.Module, mode: str, selective_ac_option: str) -> None:
 
     The wrapper adds `_checkpoint_wrapped_module.` to FQNs; init and DCP state dicts drop it. Multi-token
     prediction's blocks count as layers n_layers + k - 1."""
-    for parent, name, layer_id in block_slots(model):
+    for parent, name, layer_id in model.blocks():
         block = parent.get_submodule(name)
         if mode == "selective" and selective_ac_option == "op":
             wrapped = checkpoint_wrapper(block, context_fn=_op_context, preserve_rng_state=False)
@@ -262,7 +272,7 @@ def apply_compile(model: nn.Module, backend: str = "inductor", fullgraph: bool =
     A mixture-of-experts layer counts its tokens in forward (a buffer update): activation
     checkpointing's recompute must not count them again, as in eager (moe._training_forward)."""
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
-    for parent, name, _ in block_slots(model):
+    for parent, name, _ in model.blocks():
         parent.register_module(
             name, torch.compile(parent.get_submodule(name), backend=backend, fullgraph=fullgraph)
         )
@@ -280,7 +290,8 @@ def apply_fsdp(
     keep_root_after_forward: bool = False,
     moe_meshes: tuple[DeviceMesh | None, DeviceMesh | None] = (None, None),
 ) -> None:
-    """FSDP2: shard each transformer block, then the root (embeddings, final norm, output).
+    """FSDP2: shard each of the model's sharding_units (its blocks), then the root (embeddings, final norm,
+    output).
 
     With `fp32_policy` (mixed precision: mixed_precision_policies) the fp32_units are units of their
     own with that policy, and the rest takes `mp_policy`; without `norm_units` (fsdp_gather_dtype
@@ -300,8 +311,7 @@ def apply_fsdp(
     setting). A prefetch count N makes each block all-gather the next N blocks' parameters (the
     previous N in backward) instead of FSDP's implicit one. Multi-token prediction's depths are units
     after the blocks, each a depth whole (its norms and projection with its block)."""
-    blocks = list(model.layers.values())
-    blocks += list(model.mtp.values()) if getattr(model, "mtp", None) is not None else []
+    blocks = model.sharding_units()
     block_policy = mp_policy if norm_units or fp32_policy is None else fp32_policy
     layer_mesh, expert_mesh = moe_meshes
     for i, block in enumerate(blocks):
@@ -319,7 +329,7 @@ def apply_fsdp(
             fully_shard(unit, mesh=dp_mesh, mp_policy=fp32_policy, reshard_after_forward=reshard)
         fully_shard(block, mesh=dp_mesh, mp_policy=block_policy, reshard_after_forward=reshard)
     reshard = True if reshard_after_forward == "all_but_last" else reshard_after_forward
-    for unit in fp32_units(model) if fp32_policy else []:
+    for unit in fp32_units(model, blocks) if fp32_policy else []:
         fully_shard(unit, mesh=dp_mesh, mp_policy=fp32_policy, reshard_after_forward=reshard)
     root_reshard = None if reshard_after_forward == "all_but_last" else reshard_after_forward
     root_reshard = False if keep_root_after_forward else root_reshard
@@ -346,21 +356,20 @@ def apply_ddp(
     so the blocks keep their fp32 weights whole (one unit, one compiled graph each) and autocast rounds
     the matmul weights, as on one process; the root's units are FSDP's. Multi-token prediction's depths
     are units like the blocks."""
-    blocks = list(model.layers.values())
-    blocks += list(model.mtp.values()) if getattr(model, "mtp", None) is not None else []
+    blocks = model.sharding_units()
     for block in blocks:
         replicate(block, mesh=dp_mesh, mp_policy=fp32_policy or mp_policy)
-    for unit in fp32_units(model) if fp32_policy else []:
+    for unit in fp32_units(model, blocks) if fp32_policy else []:
         replicate(unit, mesh=dp_mesh, mp_policy=fp32_policy)
     replicate(model, mesh=dp_mesh, mp_policy=root_mp_policy(model, mp_policy, fp32_policy))
 
 
-def fp32_units(module: nn.Module) -> list[nn.Module]:
-    """The modules of `module`, outside its `layers` and `mtp` (units of their own), whose
-    weights mixed precision keeps in fp32: the norms, and the embeddings unless they are tied to the
-    output layer (the root then keeps the table in fp32)."""
-    children = [child for name, child in module.named_children() if name not in ("layers", "mtp")]
-    units = [m for child in children for m in child.modules() if isinstance(m, RMSNorm)]
+def fp32_units(module: nn.Module, inner_units: list[nn.Module] | None = None) -> list[nn.Module]:
+    """The modules of `module`, outside `inner_units` (units of their own: the model's
+    sharding_units), whose weights mixed precision keeps in fp32: the norms, and the embeddings
+    unless they are tied to the output layer (the root then keeps the table in fp32)."""
+    inside = {id(m) for unit in inner_units or [] for m in unit.modules()}
+    units = [m for m in module.modules() if isinstance(m, RMSNorm) and id(m) not in inside]
     embeddings = getattr(module, "tok_embeddings", None)
     if embeddings is not None and not module.model_args.tie_word_embeddings:
         units.append(embeddings)

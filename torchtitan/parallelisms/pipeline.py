@@ -10,7 +10,7 @@ checkpoints do not depend on the pipeline layout.
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -20,7 +20,6 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineSchedule, get_schedule_class
 
 from torchtitan.config.options import ConfigError, JobConfig
-from torchtitan.models import model_spec
 from torchtitan.models.moe import MoE
 from torchtitan.parallelisms.parallel_dims import ParallelDims
 from torchtitan.parallelisms.parallelize import fsdp_mesh, parallelize
@@ -31,50 +30,42 @@ from torchtitan.parallelisms.pipeline_layout import (
     stage_layers,
 )
 
-# A stage id's example micro-batch input and output (for stages that cannot learn the shapes by messages).
-# A stage id -> its example micro-batch input and output: a tensor, or a tuple of them (multi-token
-# prediction's stages pass the shifted tokens' embeddings on beside the hidden states, its last stage
-# outputs each depth's logits beside the model's).
+# A stage id -> its example micro-batch input and output, for stages that cannot learn the shapes by
+# messages: a tensor, or a tuple of them (multi-token prediction's stages pass the shifted tokens'
+# embeddings on beside the hidden states, its last stage outputs each depth's logits beside the model's).
 StageIO = Callable[[int], tuple[Any, Any]]
-# The loss of the last stage's micro-batch output against its labels, given the last stage's model
-# (None on ranks without it, where it is never called): the chunked loss projects with its weight.
-StageLoss = Callable[[nn.Module | None, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class StageObjective(Protocol):
+    """What the stages need of the training objective (torchtitan/objective/objective.py)."""
+
+    def loss(
+        self, part: nn.Module, output: Any, labels: torch.Tensor, router_stats: tuple, training: bool
+    ) -> torch.Tensor:
+        """The last stage's micro-batch loss (the objective's `loss`)."""
+
+    def router_stats_travel(self) -> tuple[bool, bool]:
+        """Whether the pooled balance loss's statistics, and the sequence-wise losses, travel."""
+
+    def sequence_loss(self, layers: list[MoE]) -> torch.Tensor:
+        """A stage's layers' sequence-wise balance loss of the training forward just run."""
 
 
 @dataclass
 class Pipeline:
     """This rank's part of a pipeline: the schedule that runs its stages, and whether it holds the
-    model's ends (the first stage takes the tokens; only the last stage computes the loss).
-    `aux_loss(*router statistics)`, from what the stages pass on (RouterStatsStage): the auxiliary
-    losses the last stage adds to each micro-batch's (set by the train step); `sequence_loss(a stage's
-    mixture-of-experts layers)`: the sequence-wise balance loss of their forward, which each stage adds
-    to what it passes on (set by the train step)."""
+    model's ends (the first stage takes the tokens; only the last stage computes the loss)."""
 
     schedule: _PipelineSchedule
     has_first_stage: bool
     has_last_stage: bool
-    aux_loss: Callable[..., torch.Tensor] | None = None
-    sequence_loss: Callable[[list[MoE]], torch.Tensor] | None = None
-    # The loss the last stage computes (build_pipeline's `loss_fn`), for the train step to reach.
-    stage_loss: StageLoss | None = None
-    # Multi-token prediction: `mtp_loss(last stage's model, the depths' outputs, their labels)`, the
-    # weighted MTP loss the last stage adds to each training micro-batch's (set by the train step).
-    mtp_loss: Callable[[nn.Module, tuple, torch.Tensor], torch.Tensor] | None = None
 
 
 def split_model(model: nn.Module, layers: range, is_first: bool, is_last: bool) -> nn.Module:
-    """A copy of the (meta) model keeping only `layers`, plus the ends it owns."""
+    """A copy of the (meta) model keeping only `layers`, plus the ends it owns (the model says which:
+    `drop_outside`)."""
     stage = copy.deepcopy(model)
-    for layer_id in list(stage.layers):
-        if int(layer_id) not in layers:
-            del stage.layers[layer_id]
-    if not is_first:
-        stage.tok_embeddings = None
-    if not is_last:
-        stage.norm = None
-        stage.output = None
-        if getattr(stage, "mtp", None) is not None:  # multi-token prediction's depths: the last stage's
-            stage.mtp = None
+    stage.drop_outside(layers, is_first, is_last)
     return stage
 
 
@@ -112,21 +103,23 @@ class _Stage(PipelineStage):
 
 class RouterStatsStage(nn.Module):
     """A stage's model that passes its micro-batch's router statistics on to the next stage: the
-    auxiliary loss pools every sparse layer's (torchtitan/load_balance.py), which the stages hold
+    auxiliary loss pools every sparse layer's (torchtitan/objective/load_balance.py), which the stages hold
     apart. Beside the activations travel (`pooled`) the (token, choice) counts per expert (integers: no
     gradient) and the sums of router probabilities per expert (float32, with their gradient: the last
     stage's auxiliary loss sends each stage's router its share back through the pipeline), and
     (`sequence`) the sequence-wise balance loss of the stages so far, a sum over their layers (float32,
     shape (1,), with its gradient), to which each stage adds its own layers'."""
 
-    def __init__(self, part: nn.Module, num_experts: int, pooled: bool = True, sequence: bool = False):
+    def __init__(
+        self, part: nn.Module, num_experts: int, objective: StageObjective, pooled: bool, sequence: bool
+    ) -> None:
         super().__init__()
         self.part = part
+        self.objective = objective
         self.num_experts = num_experts
         self.pooled, self.sequence = pooled, sequence
         self.n_stats = 2 * pooled + sequence  # what travels after the activations
         self.moe_layers = [m for m in part.modules() if isinstance(m, MoE)]
-        self.pipeline: Pipeline | None = None  # set once built: its sequence_loss
         self.inferring = False  # the first step's shape inference (_Stage): no loss to count
 
     def forward(self, *args: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, ...]:
@@ -156,11 +149,11 @@ class RouterStatsStage(nn.Module):
             loss = (
                 router_stats[0].clone() if router_stats else torch.zeros(1, device=device, requires_grad=grad)
             )
-            if self.inferring or self.pipeline is None or self.pipeline.sequence_loss is None:
+            if self.inferring or not grad:
                 for layer in self.moe_layers:
                     layer.sequence_stats = None
             else:
-                loss = loss + self.pipeline.sequence_loss(self.moe_layers)
+                loss = loss + self.objective.sequence_loss(self.moe_layers)
             stats.append(loss)
         return (*(out if isinstance(out, tuple) else (out,)), *stats)
 
@@ -176,13 +169,12 @@ def build_pipeline(
     parallel_dims: ParallelDims,
     job_config: JobConfig,
     device: torch.device,
-    loss_fn: StageLoss,
+    objective: StageObjective,
     stage_io: StageIO | None = None,
 ) -> tuple[Pipeline, list[nn.Module]]:
-    """This rank's pipeline and its stage models, each parallelized by `parallelize`.
-
-    `loss_fn` must average over its micro-batch: the schedule divides the summed gradients by the
-    number of micro-batches, which then equal those of the whole batch's mean loss. Stages learn
+    """This rank's pipeline and its stage models, each parallelized by `parallelize`; the last stage
+    scores its micro-batches with `objective` (the schedule divides the summed gradients by the number
+    of micro-batches, which the objective's normalisation counts: objective.py). Stages learn
     each other's activation shapes from the first step's messages, unless `stage_io` gives a stage
     id's example micro-batch input and output (the memory estimator's fake process group carries
     no messages)."""
@@ -194,9 +186,7 @@ def build_pipeline(
 
     # A mixture of experts' auxiliary loss pools the router statistics of every stage's layers; its
     # sequence-wise balance loss sums the stages' own.
-    moe = model_spec(job_config.model).moe
-    pooled = moe and job_config.moe.aux_loss_coef > 0
-    sequence = moe and job_config.moe.sequence_aux_loss_coeff > 0
+    pooled, sequence = objective.router_stats_travel()
     carry_router_stats = pooled or sequence
     stages, model_parts = [], []
     for stage_id in ids:
@@ -207,7 +197,7 @@ def build_pipeline(
         module = part
         inputs, outputs = stage_io(stage_id) if stage_io else (None, None)
         if carry_router_stats:
-            module = RouterStatsStage(part, model.model_args.num_experts, pooled, sequence)
+            module = RouterStatsStage(part, model.model_args.num_experts, objective, pooled, sequence)
             if isinstance(part, FSDPModule):
                 # Pipelining drives FSDP through the stage's module (gradient sync, the last reduce):
                 # the wrapper becomes the root unit, with no parameters and casting no inputs (the
@@ -237,25 +227,13 @@ def build_pipeline(
     last_stage = stages[ids.index(last_stage_id)] if last_stage_id in ids else None
 
     def last_stage_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
-        stats = []
+        stats = ()
         if carry_router_stats:
             n_stats = 2 * pooled + sequence
-            output, stats = output[:-n_stats], output[-n_stats:]
+            output, stats = output[:-n_stats], tuple(output[-n_stats:])
             output = output[0] if len(output) == 1 else tuple(output)
         training = torch.is_grad_enabled() and not last_stage.inferring
-        if isinstance(output, tuple):  # multi-token prediction: the main output, then each depth's
-            loss = loss_fn(last_part, output[0], labels[..., 0])
-            if pipeline.mtp_loss is not None and training:
-                # The gradient gains the depths' loss; the value stays the language model's (logged).
-                mtp_loss = pipeline.mtp_loss(last_part, output[1:], labels[..., 1:])
-                loss = loss + (mtp_loss - mtp_loss.detach())
-        else:
-            loss = loss_fn(last_part, output, labels)
-        if not carry_router_stats or pipeline.aux_loss is None or not training:
-            return loss
-        aux_loss = pipeline.aux_loss(*stats)
-        # The gradient gains the auxiliary loss's; the value stays the language model's loss (logged).
-        return loss + (aux_loss - aux_loss.detach())
+        return objective.loss(last_part, output, labels, stats, training)
 
     schedule_cls = get_schedule_class(schedule_name)
     try:
@@ -270,8 +248,4 @@ def build_pipeline(
             f"micro-batches on {len(layers)} stages ({' '.join(str(e).split())}); "
             "change parallelism.pipeline_parallel_microbatches"
         ) from None
-    pipeline = Pipeline(schedule, 0 in ids, last_stage_id in ids)
-    for stage in stages:
-        if isinstance(stage.submod, RouterStatsStage):
-            stage.submod.pipeline = pipeline
-    return pipeline, model_parts
+    return Pipeline(schedule, 0 in ids, last_stage_id in ids), model_parts

@@ -1,7 +1,7 @@
 """DeepSeek-V3 on the Llama transformer: multi-head latent attention (MLA) with YaRN RoPE, and
 DeepSeekMoE (the shared mixture of experts, torchtitan/models/moe.py) after the first dense layers. The
-embeddings, blocks, final norm, output, seeded init, packed documents and pipeline-stage shape are
-Llama's (torchtitan/models/llama/model.py)."""
+embeddings, blocks, final norm, output, seeded init, packed documents and pipeline-stage shape are the
+shared decoder's (torchtitan/models/decoder.py)."""
 
 import math
 
@@ -9,7 +9,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial
 
+from torchtitan.models import decoder
 from torchtitan.models.deepseek_v3 import DeepSeekV3ModelArgs
+from torchtitan.models.documents import Documents
 from torchtitan.models.init import ones_, trunc_normal_
 from torchtitan.models.llama import model as llama
 from torchtitan.models.moe import MoE
@@ -69,7 +71,7 @@ class LatentKeys(nn.Module):
     key and value."""
 
     def forward(
-        self, latent: torch.Tensor, k_pe: torch.Tensor, documents: llama.Documents | None = None
+        self, latent: torch.Tensor, k_pe: torch.Tensor, documents: Documents | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return latent, k_pe
 
@@ -100,17 +102,17 @@ class Attention(nn.Module):
         q_out = args.n_heads * args.head_dim
         if self.q_lora_rank:
             self.wq_a = nn.Linear(args.dim, self.q_lora_rank, bias=False)
-            self.q_norm = llama.RMSNorm(self.q_lora_rank, eps=args.norm_eps)
+            self.q_norm = decoder.RMSNorm(self.q_lora_rank, eps=args.norm_eps)
             self.wq_b = nn.Linear(self.q_lora_rank, q_out, bias=False)
         else:
             self.wq = nn.Linear(args.dim, q_out, bias=False)
         self.wkv_a = nn.Linear(args.dim, self.kv_lora_rank + self.rope_dim, bias=False)
-        self.kv_norm = llama.RMSNorm(self.kv_lora_rank, eps=args.norm_eps)
+        self.kv_norm = decoder.RMSNorm(self.kv_lora_rank, eps=args.norm_eps)
         self.wkv_b = nn.Linear(self.kv_lora_rank, args.n_heads * (self.nope_dim + self.v_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * self.v_dim, args.dim, bias=False)
         self.shared_key = SharedKey()
         self.latent_keys = LatentKeys()
-        self.sdpa = llama.CausalAttention()
+        self.sdpa = decoder.CausalAttention()
         # SDPA scales by head_dim^-0.5; YaRN's mscale^2 goes on the queries.
         self.query_scale = args.yarn_scale
 
@@ -123,7 +125,7 @@ class Attention(nn.Module):
             ones_(norm.weight)
 
     def forward(
-        self, x: torch.Tensor, freqs_cis: torch.Tensor, documents: llama.Documents | None = None
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, documents: Documents | None = None
     ) -> torch.Tensor:
         q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_lora_rank else self.wq(x)
         # The sequence as the projections to heads see it (under TP, gathered).
@@ -131,7 +133,7 @@ class Attention(nn.Module):
         q_nope, q_pe = q.view(bs, seqlen, -1, self.head_dim).split([self.nope_dim, self.rope_dim], -1)
         latent, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], -1)
         k_pe = self.shared_key(k_pe).unsqueeze(2)  # (bs, seqlen, 1, rope_dim)
-        q_pe, k_pe = llama.apply_rotary_emb(q_pe, k_pe, llama.rotations(freqs_cis, seqlen))
+        q_pe, k_pe = llama.apply_rotary_emb(q_pe, k_pe, decoder.rotations(freqs_cis, seqlen))
         latent, k_pe = self.latent_keys(self.kv_norm(latent), k_pe, documents)
         kv = self.wkv_b(latent)
         kv = kv.view(bs, kv.shape[1], -1, self.nope_dim + self.v_dim)
@@ -169,8 +171,8 @@ class Transformer(MTPTransformer):
                 route_scale=args.routed_scaling_factor,
             )
         else:
-            feed_forward = llama.FeedForward(args.dim, args.hidden_dim)
-        return llama.TransformerBlock(layer_id, args, Attention(args), feed_forward)
+            feed_forward = decoder.FeedForward(args.dim, args.hidden_dim)
+        return decoder.TransformerBlock(layer_id, args, Attention(args), feed_forward)
 
     def _precompute_freqs_cis(self, device: torch.device | None = None) -> torch.Tensor:
         return precompute_freqs_cis(self.model_args, device)

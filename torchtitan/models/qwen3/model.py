@@ -1,10 +1,12 @@
 """Qwen3 (dense) on the Llama transformer: its own attention (per-head q/k norms, its head size,
 half-rotation RoPE) and an exact SwiGLU size; the embeddings, blocks, final norm, output (tied or not),
-seeded init and pipeline-stage shape are Llama's (torchtitan/models/llama/model.py)."""
+seeded init and pipeline-stage shape are the shared decoder's (torchtitan/models/decoder.py)."""
 
 import torch
 from torch import nn
 
+from torchtitan.models import decoder
+from torchtitan.models.documents import Documents
 from torchtitan.models.init import ones_
 from torchtitan.models.llama import model as llama
 from torchtitan.models.qwen3 import Qwen3ModelArgs
@@ -38,8 +40,8 @@ class Attention(llama.Attention):
 
     def __init__(self, model_args: Qwen3ModelArgs):
         super().__init__(model_args)
-        self.q_norm = llama.RMSNorm(self.head_dim, eps=model_args.norm_eps)
-        self.k_norm = llama.RMSNorm(self.head_dim, eps=model_args.norm_eps)
+        self.q_norm = decoder.RMSNorm(self.head_dim, eps=model_args.norm_eps)
+        self.k_norm = decoder.RMSNorm(self.head_dim, eps=model_args.norm_eps)
 
     def init_weights(self, init_std: float) -> None:
         super().init_weights(init_std)
@@ -47,14 +49,14 @@ class Attention(llama.Attention):
         ones_(self.k_norm.weight)
 
     def forward(
-        self, x: torch.Tensor, freqs_cis: torch.Tensor, documents: llama.Documents | None = None
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, documents: Documents | None = None
     ) -> torch.Tensor:
         xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
         bs, seqlen = xq.shape[:2]
         xq = self.q_norm(xq.view(bs, seqlen, -1, self.head_dim))
         xk = self.k_norm(xk.view(bs, seqlen, -1, self.head_dim))
         xv = xv.view(bs, seqlen, -1, self.head_dim)
-        xq, xk = apply_rotary_emb(xq, xk, llama.rotations(freqs_cis, seqlen))
+        xq, xk = apply_rotary_emb(xq, xk, decoder.rotations(freqs_cis, seqlen))
         output = self.sdpa(xq, xk, xv, documents).contiguous().view(bs, seqlen, -1)
         return self.wo(output)
 
@@ -65,8 +67,8 @@ class Transformer(llama.Transformer):
 
     @staticmethod
     def build_block(layer_id: int, model_args: Qwen3ModelArgs) -> nn.Module:
-        feed_forward = llama.FeedForward(model_args.dim, model_args.hidden_dim)
-        return llama.TransformerBlock(layer_id, model_args, Attention(model_args), feed_forward)
+        feed_forward = decoder.FeedForward(model_args.dim, model_args.hidden_dim)
+        return decoder.TransformerBlock(layer_id, model_args, Attention(model_args), feed_forward)
 
     def _precompute_freqs_cis(self, device: torch.device | None = None) -> torch.Tensor:
         args = self.model_args

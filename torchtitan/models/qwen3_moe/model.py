@@ -3,7 +3,7 @@
 
 from torch import nn
 
-from torchtitan.models.llama import model as llama
+from torchtitan.models import decoder
 from torchtitan.models.moe import MoE
 from torchtitan.models.qwen3 import model as qwen3
 from torchtitan.models.qwen3_moe import Qwen3MoeModelArgs
@@ -25,5 +25,5 @@ class Transformer(qwen3.Transformer):
                 norm_topk_prob=model_args.norm_topk_prob,
             )
         else:
-            feed_forward = llama.FeedForward(model_args.dim, model_args.hidden_dim)
-        return llama.TransformerBlock(layer_id, model_args, qwen3.Attention(model_args), feed_forward)
+            feed_forward = decoder.FeedForward(model_args.dim, model_args.hidden_dim)
+        return decoder.TransformerBlock(layer_id, model_args, qwen3.Attention(model_args), feed_forward)

@@ -95,15 +95,11 @@ def _vocab_shard(hidden: torch.Tensor, weight: DTensor) -> tuple[torch.Tensor, t
 
 
 def chunked_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    chunk_tokens: int,
-    denominator: torch.Tensor | None = None,
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_tokens: int
 ) -> torch.Tensor:
-    """Mean cross entropy of the logits `hidden @ weight.T` (upcast to fp32) against `labels`, as
-    `F.cross_entropy(F.linear(hidden, weight).float(), labels)` but `chunk_tokens` tokens at a time; with
-    `denominator`, the sum over the tokens whose label is not IGNORE_INDEX divided by it (train_step.py).
+    """Summed cross entropy of the logits `hidden @ weight.T` (upcast to fp32) against `labels` over the
+    tokens whose label is not IGNORE_INDEX, as `F.cross_entropy(F.linear(hidden, weight).float(), labels,
+    reduction="sum")` but `chunk_tokens` tokens at a time (the objective divides it: objective.py).
 
     hidden: (..., dim) final-norm outputs; weight: (vocab, dim); labels: (...) token ids. Under
     autocast the matmuls run in its dtype, as the output projection's would. With TP, `weight` is
@@ -121,4 +117,4 @@ def chunked_cross_entropy(
         total = _ChunkedCrossEntropySum.apply(
             hidden.flatten(0, -2), weight, labels.flatten(), chunk_tokens, vocab_start, group
         )
-    return total / (labels.numel() if denominator is None else denominator)
+    return total

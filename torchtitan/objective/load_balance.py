@@ -1,16 +1,16 @@
 """Expert load balancing for mixture-of-experts models (torchtitan/models/moe.py), each optional:
 
-- `moe.aux_loss_coef`: the auxiliary loss of transformers' Qwen3-MoE, num_experts * sum_e f_e * P_e,
+- `moe.aux_loss_weight`: the auxiliary loss of transformers' Qwen3-MoE, num_experts * sum_e f_e * P_e,
   where f_e is the share of (token, choice) assignments that went to expert e and P_e its mean router
   probability, both pooled over the sparse layers and the tokens of a micro-batch. f_e (no gradient) is
   counted over the micro-batch of every data-parallel, context-parallel and tensor-parallel rank, and
   the mean of the ranks' P_e is the global one, so the loss of a micro-batch is the same whatever the
   layout (a cp rank routes its pieces of each sequence as a dp rank its sequences: both are ranks
   whose tokens differ, over which FSDP averages the gradients).
-- `moe.sequence_aux_loss_coeff`: DeepSeek-V3's sequence-wise balance loss (`sequence_balance` in
-  torchtitan/models/moe.py), per sparse layer and sequence (a row of the micro-batch); a micro-batch's
-  is the sum over the layers of its mean over the sequences. A sequence's counts are summed over the
-  tensor- and context-parallel ranks that hold its tokens; each rank's loss is its tokens' share.
+- `moe.sequence_aux_loss_weight`: DeepSeek-V3's sequence-wise balance loss (`sequence_balance`, below),
+  per sparse layer and sequence (a row of the micro-batch); a micro-batch's is the sum over the layers
+  of its mean over the sequences. A sequence's counts are summed over the tensor- and context-parallel
+  ranks that hold its tokens; each rank's loss is its tokens' share.
 - `moe.bias_update_rate`: DeepSeek-V3's auxiliary-loss-free balancing. After each optimizer step every
   expert's routing bias moves by rate * sign(mean load - its load), from the tokens all data-parallel
   (context-parallel and tensor-parallel) ranks sent it during the step: the same bias on every rank.
@@ -19,45 +19,34 @@
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from torchtitan.config.options import MoEConfig
-from torchtitan.models.moe import MoE, sequence_balance
+from torchtitan.models.moe import MoE
+from torchtitan.parallelisms.parallel_dims import Meshes
 
 
 class LoadBalance:
-    """The MoE layers of this rank's model parts and what balances them; `dp`: the mesh of the ranks
-    whose tokens differ, data-parallel x context-parallel (Meshes.dp_cp; None on one such rank), `pp`:
-    the pipeline mesh, `tp`: the tensor-parallel mesh, whose ranks each route their own sequence shard
-    of the batch (torchtitan/models/llama/tp_plan.py), `cp`: the context-parallel mesh, whose ranks each
-    route their own pieces of every sequence (a sequence's counts for the sequence-wise loss)."""
+    """What balances a mixture of experts' layers (`track`: this rank's model parts'): its losses,
+    weighted, for the objective (objective.py), and the routing biases. Meshes: `dp_cp` the ranks whose
+    tokens differ (data-parallel x context-parallel), `pp` the pipeline, `tp` the tensor-parallel ranks,
+    each routing its own sequence shard of the batch (torchtitan/models/llama/tp_plan.py), `cp` the
+    context-parallel ranks, each routing its own pieces of every sequence (a sequence's counts for the
+    sequence-wise loss)."""
 
-    def __init__(
-        self,
-        model_parts: list[nn.Module],
-        config: MoEConfig,
-        dp: DeviceMesh | None,
-        pp: DeviceMesh | None,
-        tp: DeviceMesh | None = None,
-        cp: DeviceMesh | None = None,
-    ) -> None:
-        self.layers = [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
+    def __init__(self, config: MoEConfig, num_experts: int, top_k: int, meshes: Meshes) -> None:
+        dp, tp, cp = meshes.dp_cp, meshes.tp, meshes.cp
+        self.layers: list[MoE] = []
         # The same on every rank: a pipeline stage of dense layers only still joins the collectives.
-        self.aux_loss_coef = config.aux_loss_coef
-        for layer in self.layers:
-            layer.keep_router_stats = self.aux_loss_coef > 0
-        self.num_experts = model_parts[0].model_args.num_experts
-        self.top_k = model_parts[0].model_args.top_k
+        self.aux_loss_weight = config.aux_loss_weight
+        self.sequence_aux_loss_weight = config.sequence_aux_loss_weight
+        self.num_experts, self.top_k = num_experts, top_k
         self.bias_update_rate = config.bias_update_rate
-        self.pp = pp
+        self.pp = meshes.pp
         self.dp_degree = dp.size() if dp is not None else 1
         self.tp_degree = tp.size() if tp is not None else 1
         # The ranks among which each global batch's tokens are routed.
         self.token_groups = [mesh.get_group() for mesh in (dp, tp) if mesh is not None]
         self.aux_losses: list[torch.Tensor] = []  # this step's, one per micro-batch
-        self.sequence_aux_loss_coeff = config.sequence_aux_loss_coeff
-        for layer in self.layers:
-            layer.keep_sequence_stats = self.sequence_aux_loss_coeff > 0
         # The ranks that hold one sequence's tokens, and the factor that makes a context-parallel rank's
         # share of a loss its gradient's: FSDP averages over the cp ranks (as their language-model
         # losses are each a mean over their own tokens) where it sums over the tp ranks.
@@ -67,6 +56,37 @@ class LoadBalance:
         # This step's sequence-wise losses (this rank's shares) summed over layers and micro-batches,
         # and how many (layer, micro-batch) pairs they are.
         self.sequence_losses = [torch.zeros(()), 0]
+
+    def track(self, model_parts: list[nn.Module]) -> "LoadBalance":
+        """Balance the mixture-of-experts layers of `model_parts` (this rank's): they keep the statistics
+        the losses need from each training forward."""
+        self.layers = [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
+        for layer in self.layers:
+            layer.keep_router_stats = self.aux_loss_weight > 0
+            layer.keep_sequence_stats = self.sequence_aux_loss_weight > 0
+        return self
+
+    @property
+    def router_stats_travel(self) -> tuple[bool, bool]:
+        """What a pipeline's stages pass on beside the activations (parallelisms/pipeline.py's
+        RouterStatsStage): the pooled loss's statistics, the sequence-wise losses so far."""
+        return self.aux_loss_weight > 0, self.sequence_aux_loss_weight > 0
+
+    def weighted_losses(self, router_stats: tuple[torch.Tensor, ...] = ()) -> torch.Tensor | None:
+        """A micro-batch's weighted balance losses (None when off): from this rank's layers, or from what
+        a pipeline's stages passed on (`router_stats`: the pooled loss's statistics, then the sum of the
+        stages' sequence-wise losses)."""
+        losses = []
+        if self.aux_loss_weight:
+            if router_stats:
+                counts, prob_sums, *router_stats = router_stats
+                losses.append(self.aux_loss_weight * self.pooled_aux_loss(counts, prob_sums))
+            else:
+                losses.append(self.aux_loss_weight * self.aux_loss())
+        if self.sequence_aux_loss_weight:
+            sequence = router_stats[0].sum() if router_stats else self.sequence_aux_loss()
+            losses.append(self.sequence_aux_loss_weight * sequence)
+        return sum(losses[1:], losses[0]) if losses else None
 
     def _sum_over_tokens(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks that route the global batch's tokens."""
@@ -113,6 +133,12 @@ class LoadBalance:
         self.sequence_losses[1] += len(stats)
         return self.cp_degree * losses.sum()
 
+    def __call__(
+        self, part: nn.Module, outputs: tuple[torch.Tensor, ...], labels: torch.Tensor, router_stats: tuple
+    ) -> torch.Tensor | None:
+        """The objective's term (objective.py's Term): the micro-batch's weighted balance losses."""
+        return self.weighted_losses(router_stats)
+
     @torch.no_grad()
     def step_done(self) -> dict[str, torch.Tensor]:
         """After the optimizer step: move the biases; this step's metrics, the same on every rank: the
@@ -134,7 +160,7 @@ class LoadBalance:
         if self.pp is not None:
             dist.all_reduce(load, group=self.pp.get_group())
         metrics = {"expert_load": load[0] / load[1]}
-        if self.aux_loss_coef:
+        if self.aux_loss_weight:
             # Pipelines: the last stage computes it, the others add nothing.
             aux_loss = torch.stack(self.aux_losses).mean() if self.aux_losses else torch.zeros(())
             aux_loss = self._sum_over_tokens(aux_loss.to(counts.device)) / self.dp_degree
@@ -142,7 +168,7 @@ class LoadBalance:
                 dist.all_reduce(aux_loss, group=self.pp.get_group())
             metrics["aux_loss"] = aux_loss
         self.aux_losses = []
-        if self.sequence_aux_loss_coeff:
+        if self.sequence_aux_loss_weight:
             metrics["seq_aux_loss"] = self._sequence_metric(counts.device)
         return metrics
 
@@ -162,3 +188,15 @@ class LoadBalance:
             dist.all_reduce(summed, group=self.pp.get_group())
         self.sequence_losses = [torch.zeros((), device=device), 0]
         return summed[0] / summed[1].clamp(min=1)
+
+
+def sequence_balance(counts: torch.Tensor, score_sums: torch.Tensor, top_k: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss (eqs. 17-20, without alpha) of each sequence, from its
+    (token, choice) counts per expert, (..., experts), over all of the sequence's tokens, and the sums of
+    its tokens' normalised scores s'_{t,e} per expert, over all of them or over a share (this rank's
+    tokens): with T = sum_e counts_e / K tokens, f_e = E counts_e / (K T) (no gradient) and
+    P_e = score_sums_e / T, sum_e f_e P_e, (...); on a share of the tokens, that share of it: the
+    shares of a sequence's tokens add up to its loss, and their gradients to its gradient."""
+    tokens = counts.sum(-1, keepdim=True) / top_k
+    f = counts.shape[-1] * counts / (top_k * tokens)
+    return (f * score_sums / tokens).sum(-1)
