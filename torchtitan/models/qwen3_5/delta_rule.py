@@ -1,0 +1,87 @@
+"""The gated delta rule of Gated DeltaNet (Yang et al. 2025; Qwen3.5's and Qwen3-Next's linear-attention
+layers), in PyTorch: the CPU path and the reference for any kernel.
+
+Per head, with a state S (dk x dv), a decay alpha_t = exp(g_t) (g_t <= 0) and a write strength beta_t in
+(0, 1): S_t = alpha_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T, and the output o_t = S_t^T q_t (q
+already scaled). `recurrent_gated_delta_rule` runs it token by token; `chunk_gated_delta_rule` runs a
+chunk of C tokens at once, as fla's kernels and transformers' torch fallback do:
+
+Within a chunk starting from S0, gamma_i is the cumulative log decay up to token i and Gamma_ij =
+exp(gamma_i - gamma_j) (j <= i). Each token writes u_j = beta_j (v_j - S'_j^T k_j), S'_j the state it
+sees after its decay; unrolled, (I + A) U = beta V - (beta e^gamma K) S0 with A_jm = beta_j Gamma_jm
+k_j.k_m strictly below the diagonal, so U = u - w S0 with u = (I + A)^-1 beta V and w = (I + A)^-1 beta
+e^gamma K (a unit lower-triangular solve, independent of S0). Then O = (Q e^gamma) S0 + (Q K^T . Gamma,
+causal) U and the chunk's last state S_C = e^gamma_C S0 + (K e^(gamma_C - gamma))^T U: only that last
+step is sequential over the chunks. Tokens past the end (the last chunk padded) have beta = 0 and g = 0:
+they neither write nor decay the state."""
+
+import torch
+import torch.nn.functional as F
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule token by token. q, k: (B, T, H, dk); v: (B, T, H, dv); g, beta: (B, T, H); the state
+    (B, H, dk, dv), zeros without `initial_state`. Returns the outputs (B, T, H, dv) and the last state."""
+    batch, length, heads, dk = k.shape
+    state = initial_state if initial_state is not None else k.new_zeros(batch, heads, dk, v.shape[-1])
+    outputs = []
+    for t in range(length):
+        state = state * g[:, t, :, None, None].exp()
+        written = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k[:, t]))
+        state = state + k[:, t, :, :, None] * written[:, :, None, :]
+        outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+    return torch.stack(outputs, dim=1), state
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule `chunk_size` tokens at a time (module docstring); arguments and results as
+    recurrent_gated_delta_rule's."""
+    batch, length, heads, dk = k.shape
+    dv = v.shape[-1]
+    pad = -length % chunk_size
+    chunks = (length + pad) // chunk_size
+
+    def by_chunk(x: torch.Tensor) -> torch.Tensor:
+        """(B, T, H, ...) -> (B, H, chunks, C, ...), zero-padded past the end."""
+        x = x.transpose(1, 2)
+        x = F.pad(x, (0, 0, 0, pad)) if x.ndim == 4 else F.pad(x, (0, pad))
+        return x.reshape(batch, heads, chunks, chunk_size, *x.shape[3:])
+
+    q, k, v, g, beta = (by_chunk(x) for x in (q, k, v, g, beta))
+    gamma = g.cumsum(-1)  # (B, H, chunks, C)
+    ones = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=k.device)
+    causal, strictly = ones.tril(), ones.tril(-1)
+    # Gamma_ij for j <= i (at most 1), 0 above the diagonal (masked before exp: it would overflow there).
+    decay = torch.where(causal, gamma[..., :, None] - gamma[..., None, :], float("-inf")).exp()
+    a = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay).masked_fill(~strictly, 0)
+    lower = a + torch.eye(chunk_size, dtype=a.dtype, device=a.device)
+    u = torch.linalg.solve_triangular(lower, beta[..., None] * v, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(
+        lower, (beta * gamma.exp())[..., None] * k, upper=False, unitriangular=True
+    )
+    scores = (q @ k.transpose(-1, -2)) * decay  # causal: decay is 0 above the diagonal
+    state = initial_state if initial_state is not None else k.new_zeros(batch, heads, dk, dv)
+    outputs = []
+    for c in range(chunks):
+        written = u[:, :, c] - w[:, :, c] @ state
+        outputs.append((q[:, :, c] * gamma[:, :, c, :, None].exp()) @ state + scores[:, :, c] @ written)
+        last = gamma[:, :, c, -1:]  # (B, H, 1)
+        carried = k[:, :, c] * (last[..., None] - gamma[:, :, c, :, None]).exp()
+        state = last[..., None].exp() * state + carried.transpose(-1, -2) @ written
+    out = torch.stack(outputs, dim=2).reshape(batch, heads, chunks * chunk_size, dv)
+    return out[:, :, :length].transpose(1, 2), state
