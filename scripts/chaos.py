@@ -37,10 +37,13 @@ from torchtitan.errors import run_with_exit_codes  # noqa: E402
 
 STEPS = 8
 COMM_TIMEOUT = 10  # comm.train_timeout_seconds: how long a survivor may wait on a dead rank
-# A small job that saves often: every other step, keeping only the newest checkpoint.
+# A small job that saves often (the debug model on 2 blocks): every other step, keeping only the newest
+# checkpoint.
 JOB = [
     "--job.config_file",
     str(ROOT / "train_configs" / "debug_model.toml"),
+    "--model.n_layers",
+    "2",
     "--training.seq_len",
     "64",
     "--training.batch_size",

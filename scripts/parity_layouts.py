@@ -121,7 +121,10 @@ LONG = ("--training.seq_len", "512")
 QWEN3_LONG = (*QWEN3_UNTIED, *LONG)
 # CI's context-parallel runs (tests/): 256 tokens, still 8 chunks of 32 at CP 4, at half the time.
 QWEN3_CP_CI = (*QWEN3_UNTIED, "--training.seq_len", "256")
-QWEN3_MOE = ("--model.name", "qwen3_moe", "--model.tokenizer_path", "assets/tokenizer/kjv_bpe_hf")
+# The mixtures of experts at their flavours' depth (tests/launch.py's tiny job has 2 blocks).
+FLAVOR_DEPTH = ("--model.n_layers", "0")
+HF_TOKENIZER = ("--model.tokenizer_path", "assets/tokenizer/kjv_bpe_hf")
+QWEN3_MOE = ("--model.name", "qwen3_moe", *HF_TOKENIZER, *FLAVOR_DEPTH)
 QWEN3_MOE_BIAS = (*QWEN3_MOE, "--moe.aux_loss_weight", "0", "--moe.bias_update_rate", "0.01")
 QWEN3_MOE_BOTH = (*QWEN3_MOE, "--moe.bias_update_rate", "0.01")
 # Packed documents attending within themselves (model.attn_mask_type, docs/attention.md), on documents
@@ -168,6 +171,7 @@ DEEPSEEK_V3 = (
     "deepseek_v3",
     "--model.tokenizer_path",
     "assets/tokenizer/kjv_bpe_hf",
+    *FLAVOR_DEPTH,
     "--moe.bias_update_rate",
     "0.01",
     *SEQUENCE_AUX,

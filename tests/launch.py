@@ -17,10 +17,13 @@ from fork_server import ForkedWorker
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# A small, fast job: the debug model on short sequences, exact fp32, every step logged.
+# A small, fast job: the debug model's width on 2 blocks (a test's cost is its launches' Python-side work
+# per block and step: the families' debug flavours have 6), short sequences, exact fp32, every step logged.
 TINY_JOB = [
     "--job.config_file",
     str(ROOT / "train_configs" / "debug_model.toml"),
+    "--model.n_layers",
+    "2",
     "--training.seq_len",
     "64",
     "--training.steps",

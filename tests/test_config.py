@@ -340,3 +340,21 @@ def test_negative_numbers_in_any_notation_are_values(text, value):
     assert parse_args(["--validation.steps", "-1"]).validation.steps == -1
     with pytest.raises(ConfigError, match="argument --optimizer.lr: expected one argument"):
         parse_args(["--optimizer.lr", "-x"])  # not a number: still an option, refused
+
+
+def test_model_n_layers_gives_the_flavours_width_on_that_many_blocks():
+    """model.n_layers: the flavour on N blocks, everything else its own (DeepSeek-V3's first dense blocks
+    kept), in the model the run builds and in every rule that counts its layers; 0 is the flavour."""
+    from torchtitan.config_rules import check_layout
+    from torchtitan.models import build_model_args, flavor_args
+
+    flavour = flavor_args(parse_args(["--model.name", "deepseek_v3"]).model)
+    config = parse_args(["--model.name", "deepseek_v3", "--model.n_layers", "5"])
+    args = build_model_args(config, tokenizer_words=1000)
+    assert flavour.n_layers == 3
+    assert (args.n_layers, args.first_k_dense_replace, args.dim) == (5, 1, flavour.dim)
+    assert build_model_args(parse_args(["--model.n_layers", "0"]), 1000).n_layers == 6
+    pipelined = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule"]
+    check_layout(parse_args([*pipelined, "Interleaved1F1B", "--model.n_layers", "4"]), 2)
+    with pytest.raises(ConfigError, match="makes 4 stages but the model has only 3 layers"):
+        check_layout(parse_args([*pipelined, "Interleaved1F1B", "--model.n_layers", "3"]), 2)

@@ -39,7 +39,7 @@ def meta_model(model_args: ModelArgs) -> Transformer:
 @pytest.fixture(scope="module")
 def debug_model():
     """The debug model (6 blocks, dim 256, the bundled tokenizer's 2256 words) on the meta device."""
-    return meta_model(build_model_args(parse_args(TINY_JOB), 2256))
+    return meta_model(build_model_args(parse_args([*TINY_JOB, "--model.n_layers", "0"]), 2256))
 
 
 # Which layers are converted

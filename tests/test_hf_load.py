@@ -239,7 +239,8 @@ def test_the_qwen3_vocabulary_loads_trains_and_exports(tmp_path, monkeypatch):
     before = folder_bytes(hub)
     expected = transformers_first_loss(hub, "qwen3")
     run = tmp_path / "run"
-    argv = [*ONE_STEP, "--model.name", "qwen3", "--model.flavor", "tiny", "--training.steps", "2"]
+    argv = [*ONE_STEP, "--model.name", "qwen3", "--model.flavor", "tiny", "--model.n_layers", "0"]
+    argv += ["--training.steps", "2"]
     argv += ["--checkpoint.initial_load_path", str(hub), "--job.dump_folder", str(run)]
     argv += ["--checkpoint.enable_checkpoint", "true", "--checkpoint.last_save_in_hf", "true"]
     assert run_train_in_process(*argv) == 0

@@ -167,6 +167,8 @@ PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
                 "ZBVZeroBubble",
                 "--validation.enable",
                 "true",
+                "--model.n_layers",
+                "4",
             ],
             "validation.enable: torch's pipeline evaluation (schedule.eval) cannot run ZBVZeroBubble",
         ),

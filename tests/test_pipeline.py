@@ -167,7 +167,9 @@ def test_default_microbatches_is_the_number_of_stages():
 
 
 # End-to-end under torchrun: 1 process with batch 4 against pipeline layouts with the same global
-# batch. name: (processes, per-rank batch, overrides).
+# batch. name: (processes, per-rank batch, overrides). The schedules of more than one stage per rank run
+# the debug model on 4 blocks (tests/launch.py's tiny job has 2), a block per stage, against one process on 4.
+FOUR_LAYERS = ["--model.n_layers", "4"]
 LAYOUTS = {
     # Batches of 3 sequences, validated on 4 (launch.VALIDATION_BATCH's, the references'): the schedule
     # evaluates them in the training shape, 3 and then 1 filled up with 2 rows without targets.
@@ -184,7 +186,7 @@ LAYOUTS = {
         ],
     ),
     # 1F1B with 4 micro-batches and Interleaved1F1B with split points: test_parity.py's Qwen3 layouts.
-    "looped_bfs": (2, 4, ["--parallelism.pipeline_parallel_schedule", "LoopedBFS"]),
+    "looped_bfs": (2, 4, ["--parallelism.pipeline_parallel_schedule", "LoopedBFS", *FOUR_LAYERS]),
     # With the chunked loss: the last stage outputs its final hidden states, its loss projects them.
     "interleaved_zero_bubble_chunked_loss": (
         2,
@@ -194,10 +196,11 @@ LAYOUTS = {
             "InterleavedZeroBubble",
             "--training.loss_chunk_tokens",
             "48",
+            *FOUR_LAYERS,
         ],
     ),
-    "zbv_zero_bubble": (2, 4, ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"]),
-    "dual_pipe_v": (2, 4, ["--parallelism.pipeline_parallel_schedule", "DualPipeV"]),
+    "zbv_zero_bubble": (2, 4, ["--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", *FOUR_LAYERS]),
+    "dual_pipe_v": (2, 4, ["--parallelism.pipeline_parallel_schedule", "DualPipeV", *FOUR_LAYERS]),
     "pp2_fsdp2": (
         4,
         2,
@@ -206,6 +209,7 @@ LAYOUTS = {
             "Interleaved1F1B",
             "--parallelism.pipeline_parallel_microbatches",
             "2",
+            *FOUR_LAYERS,
         ],
     ),
     "pp2_tp2": (4, 4, ["--parallelism.tensor_parallel_degree", "2"]),
@@ -221,8 +225,8 @@ def single_process(reference_run):
     """`single_process(global_batch)`: 1 process with that batch, validated (VALIDATION) on a global
     batch of 4: conftest.py's reference_run, shared."""
 
-    def get(global_batch: int) -> tuple[list[dict], dict[int, float]]:
-        metrics = reference_run(global_batch)
+    def get(global_batch: int, model: tuple[str, ...] = ()) -> tuple[list[dict], dict[int, float]]:
+        metrics = reference_run(global_batch, model)
         validation = {m["step"]: m["validation_loss"] for m in metrics if m["validation_loss"] is not None}
         return metrics, validation
 
@@ -259,7 +263,8 @@ def test_pipeline_matches_single_process(tmp_path, single_process, layout, reque
         check(run_train(LAYOUTS[layout][0], tmp_path, *pipeline_args(layout), *extra))
     nproc, batch, overrides = LAYOUTS[layout]
     dp = nproc // 2 // (2 if "--parallelism.tensor_parallel_degree" in overrides else 1)
-    single_process, single_validation = single_process(batch * dp)
+    model = tuple(FOUR_LAYERS) if set(FOUR_LAYERS) <= set(overrides) else ()
+    single_process, single_validation = single_process(batch * dp, model)
     pipelined = read_metrics(tmp_path)
     if validated:
         validation = validation_losses(tmp_path)
@@ -278,7 +283,7 @@ def test_pipeline_checkpoint_resumes_bitwise_and_on_one_process(tmp_path, zbv_ru
     that never stopped is zbv_run (10 steps, checkpoints at 5 and 10)."""
     straight = {m["step"]: m["loss"] for m in read_metrics(zbv_run)}
     pp = pipeline_args("zbv_zero_bubble")
-    for name, nproc, layout in (("pp", 2, pp), ("one", 1, ["--training.batch_size", "4"])):
+    for name, nproc, layout in (("pp", 2, pp), ("one", 1, ["--training.batch_size", "4", *FOUR_LAYERS])):
         shutil.copytree(zbv_run / "checkpoint/step-5", tmp_path / name / "checkpoint/step-5")
         result = run_train(nproc, tmp_path / name, *layout, *ZBV_CHECKPOINTS)
         check(result)

@@ -43,6 +43,7 @@ def runs(tmp_path_factory):
     exported for Hugging Face (checkpoint.last_save_in_hf)."""
     base = tmp_path_factory.mktemp("runs")
     common = [*TINY_JOB, "--training.steps", "6", "--training.batch_size", "2", *VALIDATION]
+    common += ["--model.n_layers", "0"]  # the debug flavour's 6 blocks, which the scripts build by default
     common += ["--validation.freq", "3"]
     # In this process (no interpreter nor torch start-up): the scripts read the runs' files only.
     first = run_train_in_process(
@@ -213,7 +214,7 @@ def test_the_last_save_is_exported_for_transformers(runs, tok):
     from torchtitan.checkpoint.load import read_model_weights
     from torchtitan.models.llama.hf_convert import to_hf
 
-    args = build_model_args(parse_args(TINY_JOB), tok.n_words)
+    args = build_model_args(parse_args([*TINY_JOB, "--model.n_layers", "0"]), tok.n_words)
     saved = to_hf(read_model_weights(str(runs[0] / "checkpoint" / "step-6")), args)
     exported = load_file(runs[0] / "hf" / "model.safetensors")
     model = transformers.AutoModelForCausalLM.from_pretrained(runs[0] / "hf")

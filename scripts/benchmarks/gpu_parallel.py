@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from scripts.benchmarks.gpu_train import COMMON, ROOT, flavor_with_layers
+from scripts.benchmarks.gpu_train import COMMON, ROOT
 from torchtitan.config.parser import parse_args
 
 
@@ -88,8 +88,6 @@ def _train_rank(rank: int, world_size: int, port: int, argv: list[str]) -> None:
     import torch.distributed as dist
 
     _torch_2_11_names()
-    if "1B-2layers" in argv:
-        flavor_with_layers("llama3", "1B", 2)
     os.environ.update(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE=str(world_size))
     os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)  # train.py takes this group as it is
@@ -140,7 +138,7 @@ def _two_layers_of_1b(small: bool, seqlen: int) -> list[str]:
     ]  # fmt: skip
     if small:
         return [*argv, "--model.flavor", "debugmodel", "--model.vocab_size", "-1"]
-    return [*argv, "--model.flavor", flavor_with_layers("llama3", "1B", 2)]  # spawned ranks register it too
+    return [*argv, "--model.flavor", "1B", "--model.n_layers", "2"]
 
 
 def part_cp2_one_gpu(out: Path, small: bool) -> dict:

@@ -8,13 +8,11 @@ import os
 import runpy
 import subprocess
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from torchtitan.config.parser import parse_args
-from torchtitan.models import MODEL_SPECS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,24 +20,17 @@ STEPS, LOG_FREQ = 30, 10
 COMMON = ["--checkpoint.enable_checkpoint", "false", "--validation.enable", "false", "--metrics.log_freq"]
 
 
-def flavor_with_layers(family: str, flavor: str, n_layers: int) -> str:
-    """Register `flavor` cut to n_layers under a new name (a flavour of this process only)."""
-    flavors = MODEL_SPECS[family].flavors
-    flavors[f"{flavor}-{n_layers}layers"] = replace(flavors[flavor], n_layers=n_layers)
-    return f"{flavor}-{n_layers}layers"
-
-
 def train_figures(
     out: Path,
     name: str,
     argv: list[str],
     small: bool,
-    layers: tuple[str, str, int] | None,
+    layers: tuple[str, int] | None,
     steps: int = STEPS,
     small_extra: tuple[str, ...] = (),
 ) -> dict:
-    """train.py's main() in this process; `layers` = (family, flavour, n_layers) trains that flavour
-    cut to n_layers (a flavour of this process only); `small_extra`: options after --small's own
+    """train.py's main() in this process; `layers` = (flavour, n_layers) trains that flavour cut to
+    n_layers (model.n_layers); `small_extra`: options after --small's own
     (e.g. a variant's shape at the debug model's size)."""
     if small:
         argv = [
@@ -55,7 +46,7 @@ def train_figures(
         if not torch.cuda.is_available():  # bf16 matmuls are slow on most CPUs
             argv += ["--training.mixed_precision_param", "float32"]
     elif layers is not None:
-        argv = [*argv, "--model.flavor", flavor_with_layers(*layers)]
+        argv = [*argv, "--model.flavor", layers[0], "--model.n_layers", str(layers[1])]
     dump = out / name
     steps, log_freq = (4, 2) if small else (steps, LOG_FREQ)
     argv = [*argv, *COMMON, str(log_freq), "--training.steps", str(steps), "--job.dump_folder", str(dump)]
@@ -123,7 +114,7 @@ def part_llama8b_4layers(out: Path, small: bool) -> dict:
         "--training.batch_size", "1", "--training.seq_len", "8192",
         "--training.global_batch_size", "-1",
     ]  # fmt: skip
-    return train_figures(out, "llama8b_4layers", argv, small, ("llama3", "8B", 4))
+    return train_figures(out, "llama8b_4layers", argv, small, ("8B", 4))
 
 
 def part_qwen3_moe_2layers(out: Path, small: bool) -> dict:
@@ -134,7 +125,7 @@ def part_qwen3_moe_2layers(out: Path, small: bool) -> dict:
         "--training.compile", "true",
         "--optimizer.implementation", "fused", "--lr_scheduler.warmup_steps", "10",
     ]  # fmt: skip
-    return train_figures(out, "qwen3_moe_2layers", argv, small, ("qwen3_moe", "30B-A3B", 2))
+    return train_figures(out, "qwen3_moe_2layers", argv, small, ("30B-A3B", 2))
 
 
 def part_llama1b_muon(out: Path, small: bool) -> dict:

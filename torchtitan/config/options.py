@@ -30,6 +30,12 @@ class ModelConfig:
         "debugmodel",
         "Model size within the family, e.g. debugmodel, 8B, 70B, 405B (llama3); 0.6B, 8B (qwen3)",
     )
+    n_layers: int = opt(
+        0,
+        "Transformer blocks: 0, the flavour's; N, the flavour's width on N blocks (its first dense blocks "
+        "kept), e.g. to try a large flavour's layout and memory on a few GPUs, or a fast test",
+        min=0,
+    )
     tokenizer_path: str = opt(
         "assets/tokenizer/kjv_bpe.tiktoken",
         "tiktoken BPE file (the bundled one, or Llama 3's tokenizer.model), or a Hugging Face "

@@ -69,14 +69,16 @@ def model_spec(model_config: ModelConfig) -> ModelSpec:
 
 
 def flavor_args(model_config: ModelConfig) -> ModelArgs:
-    """The shared table entry of the job's flavour (do not change it: `build_model_args` copies)."""
+    """The job's flavour, on `model.n_layers` blocks where set (the shared table entry otherwise: do not
+    change it, `build_model_args` copies)."""
     flavors = model_spec(model_config).flavors
     if model_config.flavor not in flavors:
         raise ConfigError(
             f"model.flavor: {model_config.name} has no flavor {model_config.flavor!r}; "
             f"choose one of {', '.join(flavors)}"
         )
-    return flavors[model_config.flavor]
+    args = flavors[model_config.flavor]
+    return replace(args, n_layers=model_config.n_layers) if model_config.n_layers else args
 
 
 def hf_vocab_size(path: str | None) -> int | None:
