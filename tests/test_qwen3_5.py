@@ -1,0 +1,206 @@
+"""Qwen3.5's token mixers (torchtitan/models/qwen3_5/): Gated DeltaNet and the gated attention equal
+transformers' layers (`Qwen3_5GatedDeltaNet`, `Qwen3_5Attention`, on its PyTorch path: fla and
+causal_conv1d not installed) with the same weights, in float32 within 1e-5; packed documents
+(block_causal) equal each document run alone, in transformers within 1e-4 and in our own layer in float64
+within 1e-12, gradients too, each document's first tokens checked on their own (a state or conv window
+leaking from the previous document shows there and nowhere else)."""
+
+import importlib.util
+import inspect
+
+import pytest
+import torch
+
+from torchtitan.models.documents import Documents, document_positions
+from torchtitan.models.llama.model import precompute_freqs_cis
+from torchtitan.models.qwen3_5 import Qwen35ModelArgs
+from torchtitan.models.qwen3_5.attention import GatedAttention
+from torchtitan.models.qwen3_5.gated_deltanet import GatedDeltaNet
+
+modeling = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+
+# Tiny, every path on: GQA (4 query heads, 2 kv), 2 key heads serving 4 value heads, dk != dv, RoPE on 8
+# of 32 features.
+ARGS = Qwen35ModelArgs(
+    dim=64,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=32,
+    linear_n_key_heads=2,
+    linear_n_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    hidden_dim=96,
+    vocab_size=128,
+    max_seq_len=256,
+)
+ATTENTION_NAMES = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
+# A packed row: a document across the first chunk boundary (64), one shorter than the conv, the rest.
+DOCUMENTS = [70, 2, 78]
+LENGTH = sum(DOCUMENTS)
+
+
+def hf_config() -> object:
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        hidden_size=ARGS.dim,
+        num_hidden_layers=ARGS.n_layers,
+        num_attention_heads=ARGS.n_heads,
+        num_key_value_heads=ARGS.n_kv_heads,
+        head_dim=ARGS.head_dim,
+        linear_num_key_heads=ARGS.linear_n_key_heads,
+        linear_num_value_heads=ARGS.linear_n_value_heads,
+        linear_key_head_dim=ARGS.linear_key_head_dim,
+        linear_value_head_dim=ARGS.linear_value_head_dim,
+        linear_conv_kernel_dim=ARGS.linear_conv_kernel,
+        intermediate_size=ARGS.hidden_dim,
+        vocab_size=ARGS.vocab_size,
+        rms_norm_eps=ARGS.norm_eps,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": ARGS.rope_theta,
+            "partial_rotary_factor": 0.25,
+        },
+    )
+
+
+def randomise_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every parameter random (norm weights too, so that w and 1 + w differ): matrices of std
+    fan_in^-0.5 (outputs of unit scale), the rest 0.5."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in module.parameters():
+            std = param.shape[1] ** -0.5 if param.ndim == 2 else 0.5
+            param.copy_(torch.randn(param.shape, generator=generator) * std)
+    return module
+
+
+def hidden(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(batch, length, ARGS.dim, generator=torch.Generator().manual_seed(seed))
+
+
+def packed_ids(batch: int = 2) -> torch.Tensor:
+    """Document ids of `batch` rows packed as DOCUMENTS (the second row in the reverse order)."""
+    rows = [DOCUMENTS, DOCUMENTS[::-1]][:batch]
+    return torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in rows])
+
+
+def spans(row: int) -> list[tuple[int, int]]:
+    sizes = [DOCUMENTS, DOCUMENTS[::-1]][row]
+    bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def test_transformers_runs_its_pytorch_path():
+    """The oracle is transformers' own PyTorch code: with fla or causal_conv1d importable it would run
+    their kernels instead (and could not run on the CPU)."""
+    assert importlib.util.find_spec("fla") is None and importlib.util.find_spec("causal_conv1d") is None
+    for function in (modeling.torch_chunk_gated_delta_rule, modeling.causal_conv1d_fn):
+        assert inspect.getclosurevars(function).nonlocals["is_new_implementation"] is False
+
+
+# Gated DeltaNet
+
+
+def gated_deltanets() -> tuple[GatedDeltaNet, torch.nn.Module]:
+    ours = randomise_(GatedDeltaNet(ARGS))
+    theirs = modeling.Qwen3_5GatedDeltaNet(hf_config(), layer_idx=0)
+    theirs.load_state_dict(ours.state_dict())  # the same names
+    return ours, theirs
+
+
+def test_gated_deltanet_equals_transformers():
+    ours, theirs = gated_deltanets()
+    x = hidden(2, LENGTH)
+    with torch.no_grad():
+        assert (ours(x) - theirs(x)).abs().max() < 1e-5
+
+
+def test_gated_deltanet_packed_documents_equal_each_alone_in_transformers():
+    """Each document of a packed row equals transformers' layer run on it alone within 1e-4, its first
+    three tokens (those a leaking conv window or state would change) within it too."""
+    ours, theirs = gated_deltanets()
+    x = hidden(2, LENGTH)
+    with torch.no_grad():
+        out = ours(x, documents=Documents(packed_ids()))
+        for row in range(2):
+            for start, end in spans(row):
+                alone = theirs(x[row : row + 1, start:end])[0]
+                first = min(3, end - start)
+                assert (out[row, start : start + first] - alone[:first]).abs().max() < 1e-4, (row, start)
+                assert (out[row, start:end] - alone).abs().max() < 1e-4, (row, start)
+
+
+@pytest.fixture
+def float64():
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(default)
+
+
+def test_gated_deltanet_packed_documents_are_exact_with_gradients(float64):
+    """In float64 (training.float64), packed equals alone within 1e-12, and the packed row's parameter
+    gradients equal the sum of each document's alone within 1e-10: no NaN from the resets."""
+    layer = randomise_(GatedDeltaNet(ARGS))
+    x = hidden(1, LENGTH)
+    out = layer(x, documents=Documents(packed_ids(1)))
+    out.square().sum().backward()
+    packed_grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    layer.zero_grad()
+    for start, end in spans(0):
+        alone = layer(x[:, start:end])
+        assert (out[:, start:end] - alone).abs().max() < 1e-12, start
+        alone.square().sum().backward()
+    for name, param in layer.named_parameters():
+        assert torch.isfinite(packed_grads[name]).all(), name
+        assert (packed_grads[name] - param.grad).abs().max() < 1e-10, name
+
+
+# Gated attention
+
+
+def gated_attentions() -> tuple[GatedAttention, torch.nn.Module]:
+    ours = randomise_(GatedAttention(ARGS))
+    theirs = modeling.Qwen3_5Attention(hf_config(), layer_idx=3)
+    state = {}
+    for name, tensor in ours.state_dict().items():
+        module, _, rest = name.partition(".")
+        state[f"{ATTENTION_NAMES.get(module, module)}.{rest}"] = tensor
+    theirs.load_state_dict(state)
+    return ours, theirs
+
+
+def transformers_attention(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """transformers' attention on `x` (batch, length, dim) from position 0 (eager, an explicit causal
+    mask), its RoPE Qwen3.5's multimodal one on text positions."""
+    length = x.shape[1]
+    positions = torch.arange(length).expand(x.shape[0], length)
+    cos_sin = modeling.Qwen3_5TextRotaryEmbedding(hf_config())(x, positions)
+    mask = torch.full((length, length), float("-inf")).triu(1)[None, None]
+    return layer(x, position_embeddings=cos_sin, attention_mask=mask)[0]
+
+
+def rope_table() -> torch.Tensor:
+    return precompute_freqs_cis(ARGS.rotary_dim, ARGS.max_seq_len, ARGS.rope_theta)
+
+
+def test_gated_attention_equals_transformers():
+    ours, theirs = gated_attentions()
+    x = hidden(2, LENGTH)
+    with torch.no_grad():
+        assert (ours(x, rope_table()) - transformers_attention(theirs, x)).abs().max() < 1e-5
+
+
+def test_gated_attention_packed_documents_equal_each_alone_in_transformers():
+    ours, theirs = gated_attentions()
+    x = hidden(2, LENGTH)
+    ids = packed_ids()
+    with torch.no_grad():
+        out = ours(x, rope_table()[document_positions(ids)], documents=Documents(ids))
+        for row in range(2):
+            for start, end in spans(row):
+                alone = transformers_attention(theirs, x[row : row + 1, start:end])[0]
+                assert (out[row, start:end] - alone).abs().max() < 1e-4, (row, start)
