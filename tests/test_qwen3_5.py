@@ -204,3 +204,97 @@ def test_gated_attention_packed_documents_equal_each_alone_in_transformers():
             for start, end in spans(row):
                 alone = transformers_attention(theirs, x[row : row + 1, start:end])[0]
                 assert (out[row, start:end] - alone).abs().max() < 1e-4, (row, start)
+
+
+# The model, through the Hugging Face converter
+
+
+def hf_model(tied: bool) -> torch.nn.Module:
+    """A random transformers Qwen3_5ForCausalLM of ARGS' shape (three Gated DeltaNet layers, then one
+    attention layer), every parameter drawn (norm weights too), small enough that float32's rounding,
+    which grows with the activations through the layers, stays under 1e-5 in logits of std ~0.5."""
+    from transformers import Qwen3_5ForCausalLM
+
+    config = hf_config()
+    config.tie_word_embeddings = tied
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.05 if p.ndim > 1 else 0.5)
+    return model
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_from_hf_matches_transformers_and_round_trips_bit_exact(tmp_path, tied):
+    """transformers' model -> its folder -> DCP (scripts/convert_hf_to_dcp.py) -> ours: the same logits
+    within 1e-5; packed documents (block_causal) each equal transformers' on the document alone within
+    1e-4 (checked once, tied); -> HF again (scripts/convert_dcp_to_hf.py): the same files, bit for bit."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file
+
+    from scripts import convert_dcp_to_hf, convert_hf_to_dcp
+    from torchtitan.checkpoint.load import read_model_weights
+    from torchtitan.models import MODEL_SPECS
+
+    theirs = hf_model(tied)
+    theirs.save_pretrained(tmp_path / "hf")
+    convert_hf_to_dcp.convert(str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    weights = read_model_weights(str(tmp_path / "dcp"))
+    args = replace(ARGS, tie_word_embeddings=tied, attn_mask_type="block_causal", eos_id=0)
+    ours = MODEL_SPECS["qwen3_5"].build(replace(args, attn_mask_type="causal")).eval()
+    assert weights.keys() == ours.state_dict().keys()
+    ours.load_state_dict(weights)
+    packed = MODEL_SPECS["qwen3_5"].build(args).eval()
+    packed.load_state_dict(weights)
+
+    tokens = torch.randint(1, ARGS.vocab_size, (2, LENGTH), generator=torch.Generator().manual_seed(1))
+    for row in range(2):
+        for _, end in spans(row):
+            tokens[row, end - 1] = args.eos_id  # each document ends with its EOS
+    with torch.no_grad():
+        assert (ours(tokens) - theirs(tokens).logits).abs().max() < 1e-5
+        out = packed(tokens)
+        for row in range(2 if tied else 0):  # once is enough
+            for start, end in spans(row):
+                alone = theirs(tokens[row : row + 1, start:end]).logits[0]
+                first = min(3, end - start)
+                assert (out[row, start : start + first] - alone[:first]).abs().max() < 1e-4, (row, start)
+                assert (out[row, start:end] - alone).abs().max() < 1e-4, (row, start)
+
+    convert_dcp_to_hf.convert(
+        str(tmp_path / "dcp"), str(tmp_path / "back"), replace(ARGS, tie_word_embeddings=tied), name="qwen3_5"
+    )
+    files, back = (
+        load_file(tmp_path / "hf" / "model.safetensors"),
+        load_file(tmp_path / "back" / "model.safetensors"),
+    )
+    assert back.keys() == files.keys()
+    for name, w in files.items():
+        assert torch.equal(back[name], w), name
+
+
+def test_debugmodel_builds_on_meta_and_initialises():
+    """The debug flavour, built on the meta device and initialised as train.py does: every parameter
+    drawn once (seeded_init checks it), the zero-centred norms at 0 (a scale of 1), A = e^A_log in
+    [0.01, 16), dt_bias 1; layers 0-2 Gated DeltaNet, layer 3 attention; a first loss near ln(vocab)."""
+    from dataclasses import replace
+
+    from torchtitan.models import MODEL_SPECS
+    from torchtitan.models.qwen3_5 import qwen3_5_configs
+
+    args = replace(qwen3_5_configs["debugmodel"], vocab_size=512, max_seq_len=96)
+    with torch.device("meta"):
+        model = MODEL_SPECS["qwen3_5"].build(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    kinds = [type(block.attention).__name__ for block in model.layers.values()]
+    assert kinds == ["GatedDeltaNet"] * 3 + ["GatedAttention"]
+    assert (model.norm.weight == 0).all() and (model.layers["3"].attention.q_norm.weight == 0).all()
+    deltanet = model.layers["0"].attention
+    assert ((deltanet.A_log.exp() >= 0.01) & (deltanet.A_log.exp() < 16)).all()
+    assert (deltanet.dt_bias == 1).all() and (deltanet.norm.weight == 1).all()
+    tokens = torch.randint(0, 512, (2, 96), generator=torch.Generator().manual_seed(0))
+    loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+    assert abs(loss.item() - torch.log(torch.tensor(512.0)).item()) < 0.5
