@@ -7,6 +7,7 @@ leaking from the previous document shows there and nowhere else)."""
 
 import importlib.util
 import inspect
+import json
 
 import pytest
 import torch
@@ -229,10 +230,12 @@ def hf_model(tied: bool) -> torch.nn.Module:
 def test_from_hf_matches_transformers_and_round_trips_bit_exact(tmp_path, tied):
     """transformers' model -> its folder -> DCP (scripts/convert_hf_to_dcp.py) -> ours: the same logits
     within 1e-5; packed documents (block_causal) each equal transformers' on the document alone within
-    1e-4 (checked once, tied); -> HF again (scripts/convert_dcp_to_hf.py): the same files, bit for bit."""
+    1e-4 (checked once, tied); -> HF again (scripts/convert_dcp_to_hf.py): the same files, bit for bit,
+    which transformers loads as a Qwen3_5ForCausalLM with the same logits."""
     from dataclasses import replace
 
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     from scripts import convert_dcp_to_hf, convert_hf_to_dcp
     from torchtitan.checkpoint.load import read_model_weights
@@ -273,6 +276,12 @@ def test_from_hf_matches_transformers_and_round_trips_bit_exact(tmp_path, tied):
     assert back.keys() == files.keys()
     for name, w in files.items():
         assert torch.equal(back[name], w), name
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (config["architectures"], config["model_type"]) == (["Qwen3_5ForCausalLM"], "qwen3_5_text")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
+    assert type(exported).__name__ == "Qwen3_5ForCausalLM"
+    with torch.no_grad():
+        assert (ours(tokens) - exported(tokens).logits).abs().max() < 1e-5
 
 
 def test_debugmodel_builds_on_meta_and_initialises():
