@@ -307,3 +307,20 @@ def test_debugmodel_builds_on_meta_and_initialises():
     tokens = torch.randint(0, 512, (2, 96), generator=torch.Generator().manual_seed(0))
     loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
     assert abs(loss.item() - torch.log(torch.tensor(512.0)).item()) < 0.5
+
+
+def test_flops_count_the_delta_rule_and_only_the_attention_layers_scores():
+    """MFU's FLOPs: the dense formula's scores for the one attention layer of the debug model, and for
+    its three Gated DeltaNet layers the chunked rule's products (4 value heads of 32, chunk 64), counted
+    by hand; with every layer attention, the dense formula exactly."""
+    from dataclasses import replace
+
+    from torchtitan.models.qwen3_5 import qwen3_5_configs, qwen3_5_flops_per_token
+    from torchtitan.models.spec import flops_per_token
+
+    args = qwen3_5_configs["debugmodel"]
+    per_head = 4 * 64 * 32 + 64 * 64 + 2 * 64 * 32 + 6 * 32 * 32  # k k^T, q k^T; solves; in-chunk; state
+    expected = 6 * 1000 + 12 * 1 * 4 * 64 * 2048 + 3 * 3 * 4 * per_head
+    assert qwen3_5_flops_per_token(args, 1000, 2048) == expected
+    every_layer_attention = replace(args, layer_types=("full_attention",) * 4)
+    assert qwen3_5_flops_per_token(every_layer_attention, 1000, 2048) == flops_per_token(1000, 4, 4, 64, 2048)

@@ -12,7 +12,10 @@ tokenizer (the released models' 248,320: `model.vocab_size`).
 
 from dataclasses import dataclass
 
+from torchtitan.models.spec import flops_per_token
+
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
+DELTA_RULE_CHUNK = 64  # the chunked delta rule's chunk (delta_rule.py), what its FLOPs are counted on
 
 
 @dataclass
@@ -55,6 +58,23 @@ class Qwen35ModelArgs:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+
+def qwen3_5_flops_per_token(model_args: Qwen35ModelArgs, num_params: int, seq_len: int) -> int:
+    """Training FLOPs per token, for MFU: 6 per parameter (the conv's too: 2 per weight and token
+    forward); the full-attention layers' scores and weighted sum as every family's (12 heads head_dim
+    seq_len each); and each linear-attention layer's delta rule, which does not grow with the sequence.
+    Per value head and token, forward, as the chunked rule computes it (chunk C): k k^T and q k^T over
+    the chunk (2 C dk each), the triangular solves for u and w (C/2 (dk + dv) multiply-adds, on
+    average), the output's in-chunk term (2 C dv) and three products with the dk x dv state (2 dk dv
+    each); training is 3 times the forward."""
+    args = model_args
+    kinds = [args.layer_type(i) for i in range(args.n_layers)]
+    full = kinds.count(FULL_ATTENTION)
+    c, dk, dv = DELTA_RULE_CHUNK, args.linear_key_head_dim, args.linear_value_head_dim
+    per_head = 4 * c * dk + c * (dk + dv) + 2 * c * dv + 6 * dk * dv
+    delta_rule = 3 * (args.n_layers - full) * args.linear_n_value_heads * per_head
+    return flops_per_token(num_params, full, args.n_heads, args.head_dim, seq_len) + delta_rule
 
 
 # The released dense sizes share these: 16 key heads of 128, value heads of 128, a conv of 4.
