@@ -324,3 +324,18 @@ def test_flops_count_the_delta_rule_and_only_the_attention_layers_scores():
     assert qwen3_5_flops_per_token(args, 1000, 2048) == expected
     every_layer_attention = replace(args, layer_types=("full_attention",) * 4)
     assert qwen3_5_flops_per_token(every_layer_attention, 1000, 2048) == flops_per_token(1000, 4, 4, 64, 2048)
+
+
+@pytest.mark.parametrize("degree", ["tensor", "context"])
+def test_tensor_and_context_parallel_are_refused_before_any_worker(degree):
+    """Not written yet for Gated DeltaNet: context parallelism would start each rank's share of a
+    sequence from a zero state, silently. The preflight's rules refuse both in one line."""
+    from torchtitan.config.options import ConfigError
+    from torchtitan.config.parser import parse_args
+    from torchtitan.config_rules import check_layout
+
+    job = parse_args(["--model.name", "qwen3_5", f"--parallelism.{degree}_parallel_degree", "2"])
+    with pytest.raises(
+        ConfigError, match=f"parallelism.{degree}_parallel_degree: qwen3_5's linear-attention"
+    ):
+        check_layout(job, world_size=2)

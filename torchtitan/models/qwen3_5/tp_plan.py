@@ -1,6 +1,7 @@
 """Qwen3.5's tensor-parallel plan of a block: not written yet (issue 65's next step splits Gated
-DeltaNet's value and key heads over the ranks, its conv channels with them). Until then a tensor-parallel
-job of this family stops here, in one line naming the fix."""
+DeltaNet's value and key heads over the ranks, its conv channels with them). The preflight refuses
+tensor parallelism for this family (config_rules.check_parallelism); what calls the plan regardless
+stops here, in the same line."""
 
 from torch import nn
 
