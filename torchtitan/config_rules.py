@@ -64,8 +64,14 @@ def gradient_accumulation_steps(training_config: TrainingConfig, parallel_dims: 
 
 
 def check_parallelism(job_config: JobConfig, parallel_dims: ParallelDims, model_args: ModelArgs) -> None:
-    """Tensor parallelism must split the heads and the sequence; the AC option must parse."""
+    """Tensor parallelism must split the heads and the sequence (and has no plan yet for linear
+    attention); the AC option must parse."""
     tp = parallel_dims.tp
+    if tp > 1 and getattr(model_args, "linear_n_value_heads", None) is not None:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree: {job_config.model.name}'s linear-attention (Gated "
+            "DeltaNet) layers have no tensor-parallel plan yet (issue 65); use 1"
+        )
     n_kv_heads = model_args.n_kv_heads or model_args.n_heads
     if model_args.n_heads % tp or n_kv_heads % tp:
         raise ConfigError(
@@ -93,10 +99,16 @@ def check_parallelism(job_config: JobConfig, parallel_dims: ParallelDims, model_
 
 
 def check_context_parallel(job_config: JobConfig, parallel_dims: ParallelDims, model_args: ModelArgs) -> None:
-    """What context parallelism cannot run with yet: multi-head latent attention (a `kv_lora_rank`:
+    """What context parallelism cannot run with yet: linear attention (Gated DeltaNet: each rank would
+    start its share of a sequence from a zero state, silently); multi-head latent attention (a `kv_lora_rank`:
     deepseek_v3) with TP, whose sequence-parallel latents would be gathered over tp inside wkv_b and
     over cp before it, in two orders (its latent gather, parallelisms/context_parallel.py, runs on the
     cp ranks' whole latents)."""
+    if parallel_dims.cp_enabled and getattr(model_args, "linear_n_value_heads", None) is not None:
+        raise ConfigError(
+            f"parallelism.context_parallel_degree: {job_config.model.name}'s linear-attention (Gated "
+            "DeltaNet) layers do not chain their state across context-parallel ranks yet (issue 65); use 1"
+        )
     latent_attention = getattr(model_args, "kv_lora_rank", None) is not None
     if parallel_dims.cp_enabled and parallel_dims.tp_enabled and latent_attention:
         raise ConfigError(

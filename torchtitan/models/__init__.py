@@ -11,6 +11,7 @@ from torchtitan.config.paths import read_json
 from torchtitan.models.deepseek_v3 import deepseek_flops_per_token, deepseek_v3_configs
 from torchtitan.models.llama import llama2_configs, llama3_configs
 from torchtitan.models.qwen3 import qwen3_configs
+from torchtitan.models.qwen3_5 import qwen3_5_configs, qwen3_5_flops_per_token
 from torchtitan.models.qwen3_moe import moe_flops_per_token, qwen3_moe_configs
 from torchtitan.models.spec import ModelArgs, ModelSpec
 
@@ -48,6 +49,15 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         hf_architecture="Qwen3MoeForCausalLM",
         flops_per_token=moe_flops_per_token,
         moe=True,
+    ),
+    "qwen3_5": ModelSpec(
+        name="qwen3_5",
+        flavors=qwen3_5_configs,
+        model="torchtitan.models.qwen3_5.model:Transformer",
+        tp_plan="torchtitan.models.qwen3_5.tp_plan:qwen3_5_block_plan",
+        hf_adapter="torchtitan.models.qwen3_5.hf_convert",
+        hf_architecture="Qwen3_5ForCausalLM",
+        flops_per_token=qwen3_5_flops_per_token,
     ),
     "deepseek_v3": ModelSpec(
         name="deepseek_v3",

@@ -24,7 +24,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["BLOCK_NUMEL", "clean_fqn", "normal_", "ones_", "seeded_init", "trunc_normal_", "zeros_"]
+__all__ = [
+    "BLOCK_NUMEL",
+    "clean_fqn",
+    "normal_",
+    "ones_",
+    "seeded_init",
+    "trunc_normal_",
+    "uniform_",
+    "zeros_",
+]
 
 # Elements per generated block (rounded to whole rows). Part of the definition of the
 # weights: changing it changes the values, so it must not depend on the mesh.
@@ -143,6 +152,12 @@ def trunc_normal_(
 ) -> torch.Tensor:
     """Mesh-invariant `nn.init.trunc_normal_`; `a` and `b` are absolute bounds, as in torch."""
     return _fill_(tensor, lambda t, g: nn.init.trunc_normal_(t, mean, std, a, b, generator=g))
+
+
+@torch.no_grad()
+def uniform_(tensor: torch.Tensor, a: float = 0.0, b: float = 1.0) -> torch.Tensor:
+    """Mesh-invariant `nn.init.uniform_` on [a, b)."""
+    return _fill_(tensor, lambda t, g: nn.init.uniform_(t, a, b, generator=g))
 
 
 @torch.no_grad()

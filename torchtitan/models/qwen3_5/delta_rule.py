@@ -13,7 +13,13 @@ k_j.k_m strictly below the diagonal, so U = u - w S0 with u = (I + A)^-1 beta V 
 e^gamma K (a unit lower-triangular solve, independent of S0). Then O = (Q e^gamma) S0 + (Q K^T . Gamma,
 causal) U and the chunk's last state S_C = e^gamma_C S0 + (K e^(gamma_C - gamma))^T U: only that last
 step is sequential over the chunks. Tokens past the end (the last chunk padded) have beta = 0 and g = 0:
-they neither write nor decay the state."""
+they neither write nor decay the state.
+
+A g of -inf (alpha = 0) resets the state: the token sees none of what came before, as at the start of a
+packed document. The recurrence takes it as it is; the chunks would meet -inf - -inf in gamma_i - gamma_j,
+so there each -inf counts as 0 in gamma, and every decay across it (Gamma_ij, e^gamma_i, e^(gamma_C -
+gamma_j)) is set to exactly 0 from a count of the resets before each token of its chunk: no NaN, in value
+or gradient, and with no reset the arithmetic is unchanged."""
 
 import torch
 import torch.nn.functional as F
@@ -63,25 +69,31 @@ def chunk_gated_delta_rule(
         return x.reshape(batch, heads, chunks, chunk_size, *x.shape[3:])
 
     q, k, v, g, beta = (by_chunk(x) for x in (q, k, v, g, beta))
-    gamma = g.cumsum(-1)  # (B, H, chunks, C)
+    resets = torch.isneginf(g)
+    gamma = g.masked_fill(resets, 0).cumsum(-1)  # (B, H, chunks, C)
+    # Resets in the chunk up to each token: the same count for i and j <= i means none in (j, i].
+    segment = resets.cumsum(-1)
     ones = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=k.device)
     causal, strictly = ones.tril(), ones.tril(-1)
-    # Gamma_ij for j <= i (at most 1), 0 above the diagonal (masked before exp: it would overflow there).
-    decay = torch.where(causal, gamma[..., :, None] - gamma[..., None, :], float("-inf")).exp()
+    # Gamma_ij for j <= i with no reset in (j, i] (at most 1), else 0; masked before exp (above the
+    # diagonal it would overflow).
+    joined = causal & (segment[..., :, None] == segment[..., None, :])
+    decay = torch.where(joined, gamma[..., :, None] - gamma[..., None, :], float("-inf")).exp()
+    # e^gamma_i: how much of the chunk's starting state reaches token i (0 after a reset).
+    reached = torch.where(segment == 0, gamma, float("-inf")).exp()
+    # e^(gamma_C - gamma_j): how much of token j's write reaches the chunk's last state.
+    kept = torch.where(segment == segment[..., -1:], gamma[..., -1:] - gamma, float("-inf")).exp()
     a = (beta[..., :, None] * (k @ k.transpose(-1, -2)) * decay).masked_fill(~strictly, 0)
     lower = a + torch.eye(chunk_size, dtype=a.dtype, device=a.device)
     u = torch.linalg.solve_triangular(lower, beta[..., None] * v, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(
-        lower, (beta * gamma.exp())[..., None] * k, upper=False, unitriangular=True
-    )
+    w = torch.linalg.solve_triangular(lower, (beta * reached)[..., None] * k, upper=False, unitriangular=True)
     scores = (q @ k.transpose(-1, -2)) * decay  # causal: decay is 0 above the diagonal
     state = initial_state if initial_state is not None else k.new_zeros(batch, heads, dk, dv)
     outputs = []
     for c in range(chunks):
         written = u[:, :, c] - w[:, :, c] @ state
-        outputs.append((q[:, :, c] * gamma[:, :, c, :, None].exp()) @ state + scores[:, :, c] @ written)
-        last = gamma[:, :, c, -1:]  # (B, H, 1)
-        carried = k[:, :, c] * (last[..., None] - gamma[:, :, c, :, None]).exp()
-        state = last[..., None].exp() * state + carried.transpose(-1, -2) @ written
+        outputs.append((q[:, :, c] * reached[:, :, c, :, None]) @ state + scores[:, :, c] @ written)
+        carried = k[:, :, c] * kept[:, :, c, :, None]
+        state = reached[:, :, c, -1:, None] * state + carried.transpose(-1, -2) @ written
     out = torch.stack(outputs, dim=2).reshape(batch, heads, chunks * chunk_size, dv)
     return out[:, :, :length].transpose(1, 2), state

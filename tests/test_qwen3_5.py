@@ -1,0 +1,341 @@
+"""Qwen3.5's token mixers (torchtitan/models/qwen3_5/): Gated DeltaNet and the gated attention equal
+transformers' layers (`Qwen3_5GatedDeltaNet`, `Qwen3_5Attention`, on its PyTorch path: fla and
+causal_conv1d not installed) with the same weights, in float32 within 1e-5; packed documents
+(block_causal) equal each document run alone, in transformers within 1e-4 and in our own layer in float64
+within 1e-12, gradients too, each document's first tokens checked on their own (a state or conv window
+leaking from the previous document shows there and nowhere else)."""
+
+import importlib.util
+import inspect
+import json
+
+import pytest
+import torch
+
+from torchtitan.models.documents import Documents, document_positions
+from torchtitan.models.llama.model import precompute_freqs_cis
+from torchtitan.models.qwen3_5 import Qwen35ModelArgs
+from torchtitan.models.qwen3_5.attention import GatedAttention
+from torchtitan.models.qwen3_5.gated_deltanet import GatedDeltaNet
+
+modeling = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+
+# Tiny, every path on: GQA (4 query heads, 2 kv), 2 key heads serving 4 value heads, dk != dv, RoPE on 8
+# of 32 features.
+ARGS = Qwen35ModelArgs(
+    dim=64,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=32,
+    linear_n_key_heads=2,
+    linear_n_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    hidden_dim=96,
+    vocab_size=128,
+    max_seq_len=256,
+)
+ATTENTION_NAMES = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
+# A packed row: a document across the first chunk boundary (64), one shorter than the conv, the rest.
+DOCUMENTS = [70, 2, 78]
+LENGTH = sum(DOCUMENTS)
+
+
+def hf_config() -> object:
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        hidden_size=ARGS.dim,
+        num_hidden_layers=ARGS.n_layers,
+        num_attention_heads=ARGS.n_heads,
+        num_key_value_heads=ARGS.n_kv_heads,
+        head_dim=ARGS.head_dim,
+        linear_num_key_heads=ARGS.linear_n_key_heads,
+        linear_num_value_heads=ARGS.linear_n_value_heads,
+        linear_key_head_dim=ARGS.linear_key_head_dim,
+        linear_value_head_dim=ARGS.linear_value_head_dim,
+        linear_conv_kernel_dim=ARGS.linear_conv_kernel,
+        intermediate_size=ARGS.hidden_dim,
+        vocab_size=ARGS.vocab_size,
+        rms_norm_eps=ARGS.norm_eps,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": ARGS.rope_theta,
+            "partial_rotary_factor": 0.25,
+        },
+    )
+
+
+def randomise_(module: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Every parameter random (norm weights too, so that w and 1 + w differ): matrices of std
+    fan_in^-0.5 (outputs of unit scale), the rest 0.5."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in module.parameters():
+            std = param.shape[1] ** -0.5 if param.ndim == 2 else 0.5
+            param.copy_(torch.randn(param.shape, generator=generator) * std)
+    return module
+
+
+def hidden(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(batch, length, ARGS.dim, generator=torch.Generator().manual_seed(seed))
+
+
+def packed_ids(batch: int = 2) -> torch.Tensor:
+    """Document ids of `batch` rows packed as DOCUMENTS (the second row in the reverse order)."""
+    rows = [DOCUMENTS, DOCUMENTS[::-1]][:batch]
+    return torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in rows])
+
+
+def spans(row: int) -> list[tuple[int, int]]:
+    sizes = [DOCUMENTS, DOCUMENTS[::-1]][row]
+    bounds = torch.tensor([0, *sizes]).cumsum(0).tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def test_transformers_runs_its_pytorch_path():
+    """The oracle is transformers' own PyTorch code: with fla or causal_conv1d importable it would run
+    their kernels instead (and could not run on the CPU)."""
+    assert importlib.util.find_spec("fla") is None and importlib.util.find_spec("causal_conv1d") is None
+    for function in (modeling.torch_chunk_gated_delta_rule, modeling.causal_conv1d_fn):
+        assert inspect.getclosurevars(function).nonlocals["is_new_implementation"] is False
+
+
+# Gated DeltaNet
+
+
+def gated_deltanets() -> tuple[GatedDeltaNet, torch.nn.Module]:
+    ours = randomise_(GatedDeltaNet(ARGS))
+    theirs = modeling.Qwen3_5GatedDeltaNet(hf_config(), layer_idx=0)
+    theirs.load_state_dict(ours.state_dict())  # the same names
+    return ours, theirs
+
+
+def test_gated_deltanet_equals_transformers():
+    ours, theirs = gated_deltanets()
+    x = hidden(2, LENGTH)
+    with torch.no_grad():
+        assert (ours(x) - theirs(x)).abs().max() < 1e-5
+
+
+def test_gated_deltanet_packed_documents_equal_each_alone_in_transformers():
+    """Each document of a packed row equals transformers' layer run on it alone within 1e-4, its first
+    three tokens (those a leaking conv window or state would change) within it too."""
+    ours, theirs = gated_deltanets()
+    x = hidden(2, LENGTH)
+    with torch.no_grad():
+        out = ours(x, documents=Documents(packed_ids()))
+        for row in range(2):
+            for start, end in spans(row):
+                alone = theirs(x[row : row + 1, start:end])[0]
+                first = min(3, end - start)
+                assert (out[row, start : start + first] - alone[:first]).abs().max() < 1e-4, (row, start)
+                assert (out[row, start:end] - alone).abs().max() < 1e-4, (row, start)
+
+
+@pytest.fixture
+def float64():
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(default)
+
+
+def test_gated_deltanet_packed_documents_are_exact_with_gradients(float64):
+    """In float64 (training.float64), packed equals alone within 1e-12, and the packed row's parameter
+    gradients equal the sum of each document's alone within 1e-10: no NaN from the resets."""
+    layer = randomise_(GatedDeltaNet(ARGS))
+    x = hidden(1, LENGTH)
+    out = layer(x, documents=Documents(packed_ids(1)))
+    out.square().sum().backward()
+    packed_grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+    layer.zero_grad()
+    for start, end in spans(0):
+        alone = layer(x[:, start:end])
+        assert (out[:, start:end] - alone).abs().max() < 1e-12, start
+        alone.square().sum().backward()
+    for name, param in layer.named_parameters():
+        assert torch.isfinite(packed_grads[name]).all(), name
+        assert (packed_grads[name] - param.grad).abs().max() < 1e-10, name
+
+
+# Gated attention
+
+
+def gated_attentions() -> tuple[GatedAttention, torch.nn.Module]:
+    ours = randomise_(GatedAttention(ARGS))
+    theirs = modeling.Qwen3_5Attention(hf_config(), layer_idx=3)
+    state = {}
+    for name, tensor in ours.state_dict().items():
+        module, _, rest = name.partition(".")
+        state[f"{ATTENTION_NAMES.get(module, module)}.{rest}"] = tensor
+    theirs.load_state_dict(state)
+    return ours, theirs
+
+
+def transformers_attention(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """transformers' attention on `x` (batch, length, dim) from position 0 (eager, an explicit causal
+    mask), its RoPE Qwen3.5's multimodal one on text positions."""
+    length = x.shape[1]
+    positions = torch.arange(length).expand(x.shape[0], length)
+    cos_sin = modeling.Qwen3_5TextRotaryEmbedding(hf_config())(x, positions)
+    mask = torch.full((length, length), float("-inf")).triu(1)[None, None]
+    return layer(x, position_embeddings=cos_sin, attention_mask=mask)[0]
+
+
+def rope_table() -> torch.Tensor:
+    return precompute_freqs_cis(ARGS.rotary_dim, ARGS.max_seq_len, ARGS.rope_theta)
+
+
+def test_gated_attention_equals_transformers():
+    ours, theirs = gated_attentions()
+    x = hidden(2, LENGTH)
+    with torch.no_grad():
+        assert (ours(x, rope_table()) - transformers_attention(theirs, x)).abs().max() < 1e-5
+
+
+def test_gated_attention_packed_documents_equal_each_alone_in_transformers():
+    ours, theirs = gated_attentions()
+    x = hidden(2, LENGTH)
+    ids = packed_ids()
+    with torch.no_grad():
+        out = ours(x, rope_table()[document_positions(ids)], documents=Documents(ids))
+        for row in range(2):
+            for start, end in spans(row):
+                alone = transformers_attention(theirs, x[row : row + 1, start:end])[0]
+                assert (out[row, start:end] - alone).abs().max() < 1e-4, (row, start)
+
+
+# The model, through the Hugging Face converter
+
+
+def hf_model(tied: bool) -> torch.nn.Module:
+    """A random transformers Qwen3_5ForCausalLM of ARGS' shape (three Gated DeltaNet layers, then one
+    attention layer), every parameter drawn (norm weights too), small enough that float32's rounding,
+    which grows with the activations through the layers, stays under 1e-5 in logits of std ~0.5."""
+    from transformers import Qwen3_5ForCausalLM
+
+    config = hf_config()
+    config.tie_word_embeddings = tied
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.05 if p.ndim > 1 else 0.5)
+    return model
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_from_hf_matches_transformers_and_round_trips_bit_exact(tmp_path, tied):
+    """transformers' model -> its folder -> DCP (scripts/convert_hf_to_dcp.py) -> ours: the same logits
+    within 1e-5; packed documents (block_causal) each equal transformers' on the document alone within
+    1e-4 (checked once, tied); -> HF again (scripts/convert_dcp_to_hf.py): the same files, bit for bit,
+    which transformers loads as a Qwen3_5ForCausalLM with the same logits."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from scripts import convert_dcp_to_hf, convert_hf_to_dcp
+    from torchtitan.checkpoint.load import read_model_weights
+    from torchtitan.models import MODEL_SPECS
+
+    theirs = hf_model(tied)
+    theirs.save_pretrained(tmp_path / "hf")
+    convert_hf_to_dcp.convert(str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    weights = read_model_weights(str(tmp_path / "dcp"))
+    args = replace(ARGS, tie_word_embeddings=tied, attn_mask_type="block_causal", eos_id=0)
+    ours = MODEL_SPECS["qwen3_5"].build(replace(args, attn_mask_type="causal")).eval()
+    assert weights.keys() == ours.state_dict().keys()
+    ours.load_state_dict(weights)
+    packed = MODEL_SPECS["qwen3_5"].build(args).eval()
+    packed.load_state_dict(weights)
+
+    tokens = torch.randint(1, ARGS.vocab_size, (2, LENGTH), generator=torch.Generator().manual_seed(1))
+    for row in range(2):
+        for _, end in spans(row):
+            tokens[row, end - 1] = args.eos_id  # each document ends with its EOS
+    with torch.no_grad():
+        assert (ours(tokens) - theirs(tokens).logits).abs().max() < 1e-5
+        out = packed(tokens)
+        for row in range(2 if tied else 0):  # once is enough
+            for start, end in spans(row):
+                alone = theirs(tokens[row : row + 1, start:end]).logits[0]
+                first = min(3, end - start)
+                assert (out[row, start : start + first] - alone[:first]).abs().max() < 1e-4, (row, start)
+                assert (out[row, start:end] - alone).abs().max() < 1e-4, (row, start)
+
+    convert_dcp_to_hf.convert(
+        str(tmp_path / "dcp"), str(tmp_path / "back"), replace(ARGS, tie_word_embeddings=tied), name="qwen3_5"
+    )
+    files, back = (
+        load_file(tmp_path / "hf" / "model.safetensors"),
+        load_file(tmp_path / "back" / "model.safetensors"),
+    )
+    assert back.keys() == files.keys()
+    for name, w in files.items():
+        assert torch.equal(back[name], w), name
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (config["architectures"], config["model_type"]) == (["Qwen3_5ForCausalLM"], "qwen3_5_text")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
+    assert type(exported).__name__ == "Qwen3_5ForCausalLM"
+    with torch.no_grad():
+        assert (ours(tokens) - exported(tokens).logits).abs().max() < 1e-5
+
+
+def test_debugmodel_builds_on_meta_and_initialises():
+    """The debug flavour, built on the meta device and initialised as train.py does: every parameter
+    drawn once (seeded_init checks it), the zero-centred norms at 0 (a scale of 1), A = e^A_log in
+    [0.01, 16), dt_bias 1; layers 0-2 Gated DeltaNet, layer 3 attention; a first loss near ln(vocab)."""
+    from dataclasses import replace
+
+    from torchtitan.models import MODEL_SPECS
+    from torchtitan.models.qwen3_5 import qwen3_5_configs
+
+    args = replace(qwen3_5_configs["debugmodel"], vocab_size=512, max_seq_len=96)
+    with torch.device("meta"):
+        model = MODEL_SPECS["qwen3_5"].build(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    kinds = [type(block.attention).__name__ for block in model.layers.values()]
+    assert kinds == ["GatedDeltaNet"] * 3 + ["GatedAttention"]
+    assert (model.norm.weight == 0).all() and (model.layers["3"].attention.q_norm.weight == 0).all()
+    deltanet = model.layers["0"].attention
+    assert ((deltanet.A_log.exp() >= 0.01) & (deltanet.A_log.exp() < 16)).all()
+    assert (deltanet.dt_bias == 1).all() and (deltanet.norm.weight == 1).all()
+    tokens = torch.randint(0, 512, (2, 96), generator=torch.Generator().manual_seed(0))
+    loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+    assert abs(loss.item() - torch.log(torch.tensor(512.0)).item()) < 0.5
+
+
+def test_flops_count_the_delta_rule_and_only_the_attention_layers_scores():
+    """MFU's FLOPs: the dense formula's scores for the one attention layer of the debug model, and for
+    its three Gated DeltaNet layers the chunked rule's products (4 value heads of 32, chunk 64), counted
+    by hand; with every layer attention, the dense formula exactly."""
+    from dataclasses import replace
+
+    from torchtitan.models.qwen3_5 import qwen3_5_configs, qwen3_5_flops_per_token
+    from torchtitan.models.spec import flops_per_token
+
+    args = qwen3_5_configs["debugmodel"]
+    per_head = 4 * 64 * 32 + 64 * 64 + 2 * 64 * 32 + 6 * 32 * 32  # k k^T, q k^T; solves; in-chunk; state
+    expected = 6 * 1000 + 12 * 1 * 4 * 64 * 2048 + 3 * 3 * 4 * per_head
+    assert qwen3_5_flops_per_token(args, 1000, 2048) == expected
+    every_layer_attention = replace(args, layer_types=("full_attention",) * 4)
+    assert qwen3_5_flops_per_token(every_layer_attention, 1000, 2048) == flops_per_token(1000, 4, 4, 64, 2048)
+
+
+@pytest.mark.parametrize("degree", ["tensor", "context"])
+def test_tensor_and_context_parallel_are_refused_before_any_worker(degree):
+    """Not written yet for Gated DeltaNet: context parallelism would start each rank's share of a
+    sequence from a zero state, silently. The preflight's rules refuse both in one line."""
+    from torchtitan.config.options import ConfigError
+    from torchtitan.config.parser import parse_args
+    from torchtitan.config_rules import check_layout
+
+    job = parse_args(["--model.name", "qwen3_5", f"--parallelism.{degree}_parallel_degree", "2"])
+    with pytest.raises(
+        ConfigError, match=f"parallelism.{degree}_parallel_degree: qwen3_5's linear-attention"
+    ):
+        check_layout(job, world_size=2)

@@ -1,0 +1,148 @@
+"""Gated DeltaNet, Qwen3.5's linear-attention token mixer (transformers' `Qwen3_5GatedDeltaNet`), in
+PyTorch: the same parameters under the same names (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`,
+`conv1d.weight`, `A_log`, `dt_bias`, `norm.weight`, `out_proj`), so Hugging Face weights load by name.
+
+x -> q, k, v (one projection, rows [q of every key head; k of every key head; v of every value head]),
+a depthwise causal convolution of width 4 and SiLU on them; z (the output gate), b and a -> beta =
+sigmoid(b), the log decay g = -exp(A_log) softplus(a + dt_bias) <= 0; q and k L2-normed, q scaled by
+dk^-0.5, each key head repeated for its n_value_heads / n_key_heads value heads; the gated delta rule
+(delta_rule.py) from a zero state; an RMSNorm of each head's output times SiLU(z); out_proj. The decay,
+the norms and the rule run in float32 (torch's default dtype, `upcast`), whatever the matmuls'.
+
+Packed documents (block_causal), with no Python loop over them: the convolution's taps that reach back
+into the previous document are zeroed (a mask from the document ids, one per tap), and g is -inf at
+each document's first token, which the delta rule takes as a state reset (exact, see delta_rule.py), so
+each document runs as if alone.
+
+Head counts are read from the projected tensors (b has one column per value head), as in the other
+families' attention, so the module needs no change when a parallelism gives it a share of the heads."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtitan.models.decoder import upcast
+from torchtitan.models.documents import Documents
+from torchtitan.models.init import ones_, trunc_normal_, uniform_
+from torchtitan.models.qwen3_5 import Qwen35ModelArgs
+from torchtitan.models.qwen3_5.delta_rule import chunk_gated_delta_rule
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim: fla's and transformers' form (not F.normalize's
+    x / max(|x|, eps), which differs for small vectors)."""
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+
+
+def document_starts(ids: torch.Tensor) -> torch.Tensor:
+    """(bs, seqlen) bool: the first token of each document (of each row too)."""
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    return starts
+
+
+class CausalConv1d(nn.Module):
+    """Depthwise causal convolution over (bs, seqlen, channels), no bias: output t of channel c is
+    sum_i weight[c, 0, i] * x[t - (W - 1) + i] (nn.Conv1d's weight layout, transformers' parameter),
+    zeros before the sequence. As a sum over the W taps, each of which, given the documents, is zeroed
+    where it would reach into an earlier document."""
+
+    def __init__(self, channels: int, kernel_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
+
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        width, length = self.weight.shape[-1], x.shape[1]
+        taps = self.weight[:, 0]  # (channels, W); tap W - 1 is the token itself
+        out = x * taps[:, width - 1]
+        for back in range(1, width):
+            earlier = F.pad(x, (0, 0, back, 0))[:, :length]
+            if document_ids is not None:
+                # -1 before the sequence: no document has it.
+                same = F.pad(document_ids, (back, 0), value=-1)[:, :length] == document_ids
+                earlier = earlier * same[..., None]
+            out = out + earlier * taps[:, width - 1 - back]
+        return out
+
+    def init_weights(self) -> None:
+        trunc_normal_(self.weight, std=0.02)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output (float32), times a plain weight (init ones, not 1 + w), times
+    SiLU(gate): transformers' `Qwen3_5RMSNormGated`, one weight shared by every head."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        normed = upcast(x)
+        normed = (normed * torch.rsqrt(normed.square().mean(-1, keepdim=True) + self.eps)).type_as(x)
+        return (self.weight * normed * F.silu(upcast(gate))).type_as(x)
+
+    def init_weights(self) -> None:
+        ones_(self.weight)
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear-attention layer (module docstring): (bs, seqlen, dim) -> (bs, seqlen, dim),
+    called as every family's attention, `(x, freqs_cis, documents=)` (it has no RoPE: freqs_cis is
+    unused)."""
+
+    def __init__(self, model_args: Qwen35ModelArgs):
+        super().__init__()
+        args = model_args
+        n_k, n_v = args.linear_n_key_heads, args.linear_n_value_heads
+        if n_v % n_k:
+            raise ValueError(f"linear_n_value_heads {n_v} is not a multiple of linear_n_key_heads {n_k}")
+        self.key_dim, self.value_dim = args.linear_key_head_dim, args.linear_value_head_dim
+        self.heads_per_key = n_v // n_k  # value heads each key head serves
+        key_width, value_width = n_k * self.key_dim, n_v * self.value_dim
+        self.in_proj_qkv = nn.Linear(args.dim, 2 * key_width + value_width, bias=False)
+        self.in_proj_z = nn.Linear(args.dim, value_width, bias=False)
+        self.in_proj_b = nn.Linear(args.dim, n_v, bias=False)
+        self.in_proj_a = nn.Linear(args.dim, n_v, bias=False)
+        self.conv1d = CausalConv1d(2 * key_width + value_width, args.linear_conv_kernel)
+        self.dt_bias = nn.Parameter(torch.ones(n_v))
+        self.A_log = nn.Parameter(torch.zeros(n_v))
+        self.norm = GatedRMSNorm(self.value_dim, eps=args.norm_eps)
+        self.out_proj = nn.Linear(value_width, args.dim, bias=False)
+
+    def init_weights(self, init_std: float) -> None:
+        """transformers' init (initializer_range 0.02, dt_bias 1, A = U(0.01, 16)), with the residual
+        stream's depth-scaled std for out_proj as every family's output projections."""
+        for linear in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a):
+            trunc_normal_(linear.weight, std=0.02)
+        self.conv1d.init_weights()
+        ones_(self.dt_bias)
+        uniform_(self.A_log, 0.01, 16)
+        with torch.no_grad():
+            self.A_log.log_()
+        self.norm.init_weights()
+        trunc_normal_(self.out_proj.weight, std=init_std)
+
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor | None = None, documents: Documents | None = None
+    ) -> torch.Tensor:
+        bs, seqlen = x.shape[:2]
+        ids = documents.ids if documents is not None else None
+        b, a = self.in_proj_b(x), self.in_proj_a(x)
+        n_v = b.shape[-1]
+        n_k = n_v // self.heads_per_key
+        qkv = F.silu(self.conv1d(self.in_proj_qkv(x), ids))
+        q, k, v = qkv.split([n_k * self.key_dim, n_k * self.key_dim, n_v * self.value_dim], dim=-1)
+        q = l2norm(upcast(q).view(bs, seqlen, n_k, self.key_dim)) * self.key_dim**-0.5
+        k = l2norm(upcast(k).view(bs, seqlen, n_k, self.key_dim))
+        if self.heads_per_key > 1:
+            q = q.repeat_interleave(self.heads_per_key, dim=2)
+            k = k.repeat_interleave(self.heads_per_key, dim=2)
+        beta = upcast(b).sigmoid()
+        g = -upcast(self.A_log).exp() * F.softplus(upcast(a) + upcast(self.dt_bias))
+        if ids is not None:
+            g = g.masked_fill(document_starts(ids)[..., None], float("-inf"))
+        out, _ = chunk_gated_delta_rule(q, k, upcast(v).view(bs, seqlen, n_v, self.value_dim), g, beta)
+        z = self.in_proj_z(x).view(bs, seqlen, n_v, self.value_dim)
+        out = self.norm(out.type_as(x), z).reshape(bs, seqlen, -1)
+        return self.out_proj(out)
