@@ -244,7 +244,7 @@ def test_checkpoint_without_a_model_record_loads(tmp_path):
         (
             {"dim": 32},
             r"holds tok_embeddings.weight with shape \(32, 16\) but the model's is \(32, 32\); "
-            "was it saved with another model.flavor or tokenizer\\?$",
+            "was it saved with another model.flavor, model.n_layers or tokenizer\\?$",
         ),
         ({"vocab_size": 40}, r"tok_embeddings.weight with shape \(32, 16\) but the model's is \(40, 16\);"),
     ],

@@ -36,8 +36,8 @@ def export_hf(
     """Write config.json and model.safetensors of model.name `name`'s checkpoint into `output`, and with
     the run's `tokenizer` its files, its BOS/EOS/pad ids in config.json and generation_config.json (whose
     eos_token_id lists the chat template's end-of-turn token too, where there is one: the checkpoint's
-    recorded template, a chat run's, else the tokenizer's own). Multi-token prediction's depths are
-    those the weights hold, whatever `model_args` say (the flavour has none: it is model.mtp_layers). A
+    recorded template, a chat run's, else the tokenizer's own). The blocks and multi-token prediction's
+    depths are those the weights hold, whatever `model_args` say (model.n_layers and model.mtp_layers). A
     mixture-of-experts model's routing biases (moe.bias_update_rate) have no place in HF's model but
     DeepSeek-V3's (the spec's `hf_expert_bias`, where they are exported): elsewhere a non-zero one is
     refused unless `drop_expert_bias`, as the model routes differently without it.
@@ -65,7 +65,11 @@ def export_hf(
             "--flavor: the flavor ties the output layer to the embeddings, the checkpoint's differ; "
             "pass the flavor the checkpoint was trained with (an untied one)"
         )
-    if spec.mtp:  # DeepSeek's layout: num_nextn_predict_layers, each depth with its copies
+    # The blocks the weights hold (a run's model.n_layers may have cut the flavour's), then DeepSeek's
+    # layout of its depths: num_nextn_predict_layers, each depth with its copies, after the blocks.
+    blocks = {key.split(".")[1] for key in weights if key.startswith("layers.")}
+    model_args = replace(model_args, n_layers=len(blocks))
+    if spec.mtp:
         model_args = replace(
             model_args, mtp_layers=len({key.split(".")[1] for key in weights if key.startswith("mtp.")})
         )

@@ -93,7 +93,7 @@ def _check_model_shapes(model_state: Stateful, path: str, saved: dict[str, Any])
         gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(gathered, shapes)
         shapes = {key: shape for rank_shapes in gathered for key, shape in rank_shapes.items()}
-    hint = "was it saved with another model.flavor or tokenizer?"
+    hint = "was it saved with another model.flavor, model.n_layers or tokenizer?"
     for key, shape in shapes.items():
         entry = saved.get(key)
         if not isinstance(entry, TensorStorageMetadata):
