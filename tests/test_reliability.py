@@ -198,6 +198,20 @@ def test_launcher_cause_order():
         assert launcher_module._cause(failures, watch)[0] == cause, failures
 
 
+def test_launcher_repeats_a_hidden_ranks_line_only_when_no_shown_rank_printed_it():
+    """LOG_RANK 0 hides rank 1: its one line is repeated when it is the cause, unless rank 0 printed the
+    same line (bad input every rank sees, rank 1 a second sooner: the line came twice in CI)."""
+    bad_input = (
+        "error: model.vocab_size: 10 is smaller than the tokenizer's 2256 tokens; use -1 or a larger value"
+    )
+    rank0, rank1 = failure(0, 100, 2, 6), failure(1, 101, 2, 5)
+    rank0.message = rank1.message = bad_input
+    assert not launcher_module._unseen(rank1, {0: rank0, 1: rank1}, "0")
+    assert not launcher_module._unseen(rank1, {0: rank0, 1: rank1}, "1")  # rank 1 shown: printed
+    rank1.message = "error: rank 1: data loading worker 0 (pid 7) was killed by SIGKILL"
+    assert launcher_module._unseen(rank1, {0: rank0, 1: rank1}, "0")
+
+
 def test_stop_before_training_starts(tmp_path):
     """SIGTERM to the launcher while the workers start up (the hook `slow_start` holds each one where it
     builds the tokenizer, as while a large model is built): nothing to save, but a preemption all the

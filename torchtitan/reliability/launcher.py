@@ -174,6 +174,14 @@ def _shown(local_rank: int, local_ranks_filter: str) -> bool:
     return not local_ranks_filter or local_rank in {int(r) for r in local_ranks_filter.split(",")}
 
 
+def _unseen(cause: "ProcessFailure", failures: dict[int, "ProcessFailure"], local_ranks_filter: str) -> bool:
+    """Whether the cause's one line is missing from the output: its rank's output is hidden, and no
+    shown rank printed the same line (bad input every rank sees alike, a second sooner on one of them)."""
+    return cause.message.startswith("error:") and not any(
+        _shown(f.local_rank, local_ranks_filter) and f.message == cause.message for f in failures.values()
+    )
+
+
 def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -209,7 +217,7 @@ def main(argv: list[str]) -> int:
             print(
                 f"error: rank {rank} failed with exit code {code}; its output above says why", file=sys.stderr
             )
-        elif not _shown(failure.local_rank, args.local_ranks_filter) and failure.message.startswith("error:"):
+        elif _unseen(failure, e.failures, args.local_ranks_filter):
             print(f"[rank{rank}]: {failure.message}", file=sys.stderr)  # as torchrun would have shown it
         return code
     except SignalException as e:
