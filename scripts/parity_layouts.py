@@ -121,10 +121,18 @@ LONG = ("--training.seq_len", "512")
 QWEN3_LONG = (*QWEN3_UNTIED, *LONG)
 # CI's context-parallel runs (tests/): 256 tokens, still 8 chunks of 32 at CP 4, at half the time.
 QWEN3_CP_CI = (*QWEN3_UNTIED, "--training.seq_len", "256")
-# The mixtures of experts at their flavours' depth (tests/launch.py's tiny job has 2 blocks).
+# The flavour's own depth (tests/launch.py's tiny job has 2 blocks: the mixtures of experts' debug
+# flavours then hold a dense first block and a sparse one, as their full depth does).
 FLAVOR_DEPTH = ("--model.n_layers", "0")
+
+
+def deep(model: tuple[str, ...]) -> tuple[str, ...]:
+    """`model` at its flavour's depth: the multi-stage schedules' 4 stages at PP 2 need 4 blocks."""
+    return (*model, *FLAVOR_DEPTH)
+
+
 HF_TOKENIZER = ("--model.tokenizer_path", "assets/tokenizer/kjv_bpe_hf")
-QWEN3_MOE = ("--model.name", "qwen3_moe", *HF_TOKENIZER, *FLAVOR_DEPTH)
+QWEN3_MOE = ("--model.name", "qwen3_moe", *HF_TOKENIZER)
 QWEN3_MOE_BIAS = (*QWEN3_MOE, "--moe.aux_loss_weight", "0", "--moe.bias_update_rate", "0.01")
 QWEN3_MOE_BOTH = (*QWEN3_MOE, "--moe.bias_update_rate", "0.01")
 # Packed documents attending within themselves (model.attn_mask_type, docs/attention.md), on documents
@@ -164,14 +172,13 @@ QWEN3_MOE_BLOCK_BOTH = (*QWEN3_MOE_BOTH, *BLOCK_CAUSAL)
 # reduction of it shows in the losses.
 SEQUENCE_AUX = ("--moe.sequence_aux_loss_weight", "0.01")
 # DeepSeek-V3's debug flavour (MLA with a q LoRA and YaRN, sigmoid routing in 2 groups, a shared expert,
-# a dense first layer), every balancing method on (the batch-wise auxiliary loss, DeepSeek-V3's routing
-# bias and its sequence-wise loss), on packed documents attending within themselves.
+# a dense first block then a sparse one), every balancing method on (the batch-wise auxiliary loss,
+# DeepSeek-V3's routing bias and its sequence-wise loss), on packed documents attending within themselves.
 DEEPSEEK_V3 = (
     "--model.name",
     "deepseek_v3",
     "--model.tokenizer_path",
     "assets/tokenizer/kjv_bpe_hf",
-    *FLAVOR_DEPTH,
     "--moe.bias_update_rate",
     "0.01",
     *SEQUENCE_AUX,
@@ -188,7 +195,7 @@ QWEN3_MOE_SEQUENCE = (*QWEN3_MOE, "--moe.aux_loss_weight", "0", *SEQUENCE_AUX)
 DEEPSEEK_V3_MTP = (*DEEPSEEK_V3, "--model.mtp_layers", "1")
 # 4 layers, 2 dense then 2 sparse: the multi-stage schedules' 4 stages at PP 2 (one layer each; a rank
 # holds a dense and a sparse stage).
-DEEPSEEK_V3_4_LAYERS = (*DEEPSEEK_V3, "--model.flavor", "debugmodel_4_layers")
+DEEPSEEK_V3_4_LAYERS = deep((*DEEPSEEK_V3, "--model.flavor", "debugmodel_4_layers"))
 # Balanced by the routing bias alone (as DeepSeek-V3 was): under PP x EP a micro-batch's auxiliary loss
 # pools the data-parallel ranks' rows of it, which no one process's micro-batches group alike.
 DEEPSEEK_V3_4_LAYERS_BIAS = (*DEEPSEEK_V3_4_LAYERS, "--moe.aux_loss_weight", "0")
@@ -259,7 +266,7 @@ MATRIX = [
     Layout("Qwen3 untied: FSDP 2 x TP 2 + AC selective op", 4, 2, 4, tp(2) + AC_OP, QWEN3_UNTIED),
     Layout("Qwen3 untied: TP 2 + chunked loss + GA 2", 2, 2, 4, tp(2) + CHUNKED_LOSS, QWEN3_UNTIED),
     Layout("Qwen3 untied: PP 2, 1F1B", 2, 4, 4, pp(2), QWEN3_UNTIED),
-    Layout("Qwen3 untied: PP 2, Interleaved1F1B", 2, 4, 4, pp(2, "Interleaved1F1B"), QWEN3_UNTIED),
+    Layout("Qwen3 untied: PP 2, Interleaved1F1B", 2, 4, 4, pp(2, "Interleaved1F1B"), deep(QWEN3_UNTIED)),
     Layout("Qwen3 untied: compile + AC selective op", 1, 4, 4, COMPILE + AC_OP, QWEN3_UNTIED),
     Layout("Qwen3-MoE: FSDP 2", 2, 2, 4, model=QWEN3_MOE),
     Layout("Qwen3-MoE: HSDP 2x2", 4, 1, 4, replicate(2), QWEN3_MOE),
@@ -270,7 +277,7 @@ MATRIX = [
     Layout("Qwen3-MoE bias: FSDP 2", 2, 2, 4, model=QWEN3_MOE_BIAS),
     Layout("Qwen3-MoE bias: FSDP 2 + GA 2 + AC full", 2, 1, 4, AC_FULL, QWEN3_MOE_BIAS),
     Layout("Qwen3-MoE bias: PP 2, 1F1B", 2, 4, 4, pp(2), QWEN3_MOE_BIAS),
-    Layout("Qwen3-MoE bias: PP 2, Interleaved1F1B", 2, 4, 4, pp(2, "Interleaved1F1B"), QWEN3_MOE_BIAS),
+    Layout("Qwen3-MoE bias: PP 2, Interleaved1F1B", 2, 4, 4, pp(2, "Interleaved1F1B"), deep(QWEN3_MOE_BIAS)),
     Layout("Qwen3-MoE: EP 2", 2, 2, 4, ep(2), QWEN3_MOE),
     Layout("Qwen3-MoE: EP 2 on FSDP 4", 4, 1, 4, ep(2), QWEN3_MOE),
     Layout("Qwen3-MoE: EP 2, HSDP 2x2", 4, 1, 4, ep(2) + replicate(2), QWEN3_MOE),
@@ -281,15 +288,7 @@ MATRIX = [
     Layout("Qwen3-MoE bias: EP 2 + GA 2", 2, 1, 4, ep(2), QWEN3_MOE_BIAS),
     Layout("Qwen3-MoE bias: PP 2 x EP 2", 4, 2, 4, pp(2) + ep(2), QWEN3_MOE_BIAS),
     Layout("Qwen3-MoE: PP 2, 1F1B", 2, 4, 4, pp(2), QWEN3_MOE, reference_microbatch=2),
-    Layout(
-        "Qwen3-MoE: PP 2, Interleaved1F1B",
-        2,
-        4,
-        4,
-        pp(2, "Interleaved1F1B"),
-        QWEN3_MOE,
-        reference_microbatch=1,
-    ),
+    Layout("Qwen3-MoE: PP 2, Interleaved1F1B", 2, 4, 4, pp(2, "Interleaved1F1B"), deep(QWEN3_MOE), 1),
     Layout(
         "Qwen3-MoE aux + bias: PP 2 x EP 2, GPipe, 1 micro-batch",
         4,
@@ -428,7 +427,7 @@ MATRIX = [
         4,
         4,
         pp(2, "InterleavedZeroBubble"),
-        QWEN3_MOE_SEQUENCE,
+        deep(QWEN3_MOE_SEQUENCE),
     ),
     Layout(
         "Qwen3-MoE aux + sequence-wise: PP 2, Interleaved1F1B",
@@ -436,7 +435,7 @@ MATRIX = [
         4,
         4,
         pp(2, "Interleaved1F1B"),
-        (*QWEN3_MOE, *SEQUENCE_AUX),
+        deep((*QWEN3_MOE, *SEQUENCE_AUX)),
         reference_microbatch=1,
     ),
     mtp("FSDP 2", 2, 2),
@@ -467,7 +466,12 @@ MATRIX = [
     Layout("Chat: CP 2 x FSDP 2 + GA 2", 4, 1, 4, cp(2), CHAT),
     Layout("Chat: PP 2, 1F1B", 2, 4, 4, pp(2), CHAT),
     Layout(
-        "Chat: PP 2, Interleaved1F1B + chunked loss", 2, 4, 4, pp(2, "Interleaved1F1B") + CHUNKED_LOSS, CHAT
+        "Chat: PP 2, Interleaved1F1B + chunked loss",
+        2,
+        4,
+        4,
+        pp(2, "Interleaved1F1B") + CHUNKED_LOSS,
+        deep(CHAT),
     ),
     Layout(
         "Chat: PP 2 x FSDP 2",

@@ -914,19 +914,6 @@ def test_launch_script_preflight(tmp_path, extra, env, message):
     assert not (tmp_path / "dump").exists()
 
 
-def test_launch_script_worker_error_is_one_line(tmp_path):
-    """An error only a worker can see (it needs the tokenizer's vocabulary): the launcher passes on
-    its exit code 2 without torchrun's ChildFailedError traceback."""
-    result = run_script(tmp_path, "--model.vocab_size", "10")
-    out = result.stdout + result.stderr
-    assert result.returncode == 2, out
-    assert "Traceback" not in out and "ChildFailedError" not in out
-    assert [line for line in out.splitlines() if "error:" in line] == [
-        "[rank0]:error: model.vocab_size: 10 is smaller than the tokenizer's 2256 tokens; "
-        "use -1 or a larger value"
-    ]
-
-
 def test_launch_script_refused_validation_set_leaves_the_dump_folder_as_it_was(tmp_path):
     """Validation data smaller than one batch is refused before anything is written: a fresh dump folder
     is not made (the lock's folder is removed again), an existing one keeps its listing (no empty

@@ -27,7 +27,7 @@ from torchtitan.checkpoint.load import read_model_weights
 
 # DEEPSEEK_V3 turns the routing bias on (moe.bias_update_rate) next to the auxiliary losses.
 MOE = [*DEEPSEEK_V3, "--validation.enable", "false", *MUON, "--model.mtp_layers", "1"]
-MOE_LAYERS = (1, 2)  # the debug model's first layer is dense
+MOE_LAYERS = (1,)  # the debug flavours on 2 blocks: a dense first block, then a sparse one
 MTP_BIAS = "mtp.0.block.feed_forward.expert_bias"  # the multi-token prediction depth's block
 CHECKPOINTS = ["--checkpoint.enable_checkpoint", "true"]
 STEPS = ["--training.steps", "8", *CHECKPOINTS, *MOE]
@@ -121,7 +121,7 @@ def test_qwen3_moe_cp2_ep2_checkpoint_resumes_on_one_process(tmp_path):
     check(run_train(4, ep2, *qwen3_moe, *cp(2), *ep(2), "--training.batch_size", "2"))
     straight = {m["step"]: m for m in read_metrics(ep2)}
     assert sorted(straight) == list(range(1, 7))
-    assert all(b.abs().sum() > 0 for b in biases(ep2 / "checkpoint" / "step-4", (1, 2, 3)).values())
+    assert all(b.abs().sum() > 0 for b in biases(ep2 / "checkpoint" / "step-4").values())
 
     copy_step(ep2, 4, back)
     result = run_train(1, back, *qwen3_moe, "--training.batch_size", "4")

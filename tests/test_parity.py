@@ -13,6 +13,7 @@ reference_run) are shared with test_train.py, test_pipeline.py, test_chunked_los
 test_context_parallel.py."""
 
 import pytest
+from launch import TINY_JOB
 
 from scripts.parity_layouts import (
     AC_FULL,
@@ -21,6 +22,7 @@ from scripts.parity_layouts import (
     CHUNKED_LOSS,
     DEEPSEEK_V3_MTP,
     FSDP_KNOBS,
+    MATRIX,
     MUON,
     QWEN3_CP_CI,
     QWEN3_CP_CI_BLOCK,
@@ -145,3 +147,21 @@ def test_a_failed_launch_is_named_by_its_root_cause():
         last_words("Traceback (most recent call last):\nRuntimeError: timed out\n\n")
         == "RuntimeError: timed out"
     )
+
+
+def test_every_layout_passes_the_preflight(tmp_path):
+    """Every layout of scripts/parity_matrix.py (and CI's) is one the rules accept on its process count,
+    with the tests' job (2 blocks): a schedule of two stages per rank needs its model at full depth."""
+    from torchtitan.config.options import ConfigError
+    from torchtitan.config.parser import parse_args
+    from torchtitan.reliability.preflight import check_job
+
+    refused = []
+    for layout in [*MATRIX, *CI_LAYOUTS]:
+        try:
+            check_job(
+                parse_args([*TINY_JOB, "--job.dump_folder", str(tmp_path), *layout.argv(STEPS)]), layout.nproc
+            )
+        except ConfigError as e:
+            refused.append(f"{layout.name}: {e}")
+    assert refused == []
