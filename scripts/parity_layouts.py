@@ -121,14 +121,12 @@ LONG = ("--training.seq_len", "512")
 QWEN3_LONG = (*QWEN3_UNTIED, *LONG)
 # CI's context-parallel runs (tests/): 256 tokens, still 8 chunks of 32 at CP 4, at half the time.
 QWEN3_CP_CI = (*QWEN3_UNTIED, "--training.seq_len", "256")
-# The flavour's own depth (tests/launch.py's tiny job has 2 blocks: the mixtures of experts' debug
-# flavours then hold a dense first block and a sparse one, as their full depth does).
-FLAVOR_DEPTH = ("--model.n_layers", "0")
 
 
 def deep(model: tuple[str, ...]) -> tuple[str, ...]:
-    """`model` at its flavour's depth: the multi-stage schedules' 4 stages at PP 2 need 4 blocks."""
-    return (*model, *FLAVOR_DEPTH)
+    """`model` at its flavour's depth, for the multi-stage schedules' 4 stages at PP 2 (tests/launch.py's
+    tiny job has 2 blocks: the mixtures of experts' debug flavours then hold a dense and a sparse one)."""
+    return (*model, "--model.n_layers", "0")
 
 
 HF_TOKENIZER = ("--model.tokenizer_path", "assets/tokenizer/kjv_bpe_hf")
@@ -215,7 +213,7 @@ def mtp(
 
 def deepseek_v3_pp(schedule: str, extra: tuple[str, ...] = ()) -> Layout:
     """DeepSeek-V3 on PP 2 with `schedule`, against one process accumulating the same micro-batches (a
-    micro-batch's auxiliary loss): the 3-layer debug model's 2 stages of 2 micro-batches for GPipe and
+    micro-batch's auxiliary loss): the 2-block debug model's 2 stages of 2 micro-batches for GPipe and
     1F1B, the 4-layer one's 4 stages of 1 for the others (V schedules without validation)."""
     single = schedule in ("GPipe", "1F1B")
     name = "DeepSeek-V3" if single else "DeepSeek-V3 4 layers"

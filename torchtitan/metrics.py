@@ -179,7 +179,8 @@ class MetricLogger:
         """Log the window that ends at `step`; `skipped_steps` counts the steps so far whose
         non-finite gradients were dropped; `source_tokens`: a mixture's tokens per source so far; `moe`:
         a mixture-of-experts model's `expert_load`, `aux_loss` and `seq_aux_loss` of the step
-        (torchtitan/load_balance.py), and multi-token prediction's `mtp_loss_k` per depth (train_step.py);
+        (torchtitan/objective/load_balance.py), and multi-token prediction's `mtp_loss_k` per depth
+        (torchtitan/objective/mtp.py);
         `trained_tokens`: chat data's tokens with a target in the step's global batch (tps counts all)."""
         now = time.perf_counter()
         step_time, steps = now - self._window_start, max(self._window_steps, 1)

@@ -24,6 +24,8 @@ or gradient, and with no reset the arithmetic is unchanged."""
 import torch
 import torch.nn.functional as F
 
+from torchtitan.models.qwen3_5 import DELTA_RULE_CHUNK
+
 
 def recurrent_gated_delta_rule(
     q: torch.Tensor,
@@ -53,7 +55,7 @@ def chunk_gated_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     initial_state: torch.Tensor | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = DELTA_RULE_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rule `chunk_size` tokens at a time (module docstring); arguments and results as
     recurrent_gated_delta_rule's."""
