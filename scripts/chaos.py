@@ -25,12 +25,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from torchtitan.checkpoint.safe_reader import read_checkpoint  # noqa: E402
 from torchtitan.config.options import ConfigError  # noqa: E402
 from torchtitan.config.parser import OneLineParser, positive_int  # noqa: E402
 from torchtitan.errors import run_with_exit_codes  # noqa: E402
@@ -226,6 +223,10 @@ def compare(dump_folder: Path, reference: Path) -> None:
             raise AssertionError(f"step {step}: loss {loss!r} != {expected[step]!r} uninterrupted")
     if {step for step, _ in seen} != set(expected):
         raise AssertionError(f"steps logged {sorted({s for s, _ in seen})}, expected 1..{STEPS}")
+    import torch  # here, not at the top: a bad argument is answered without loading torch
+
+    from torchtitan.checkpoint.safe_reader import read_checkpoint
+
     final = f"checkpoint/step-{STEPS}"
     got, want = read_checkpoint(str(dump_folder / final)), read_checkpoint(str(reference / final))
     if got.keys() != want.keys():
