@@ -123,6 +123,20 @@ def test_gated_deltanet_equals_transformers():
         assert (ours(x) - theirs(x)).abs().max() < 1e-5
 
 
+def test_in_proj_qkv_rows_are_grouped_by_key_head_and_convert_back_bit_exact():
+    """What tensor parallelism's plain split of rows relies on: each key head's block of our rows is its
+    q, its k and the v of the value heads it serves (transformers': every q, every k, every v); the
+    conv's channels (3-d) likewise; back to transformers' order exactly."""
+    n_k, dk, value_width = 2, 3, 4  # 2 value heads of 2 per key head
+    hf = torch.arange(2 * n_k * dk + n_k * value_width).view(-1, 1, 1).expand(-1, 1, 4)
+    q, k, v = hf.split([n_k * dk, n_k * dk, n_k * value_width])
+    ours = grouped_by_key_head(hf, n_k, dk)
+    for head, rows in enumerate(ours.chunk(n_k)):  # a TP rank's share at TP n_k
+        heads = [q[head * dk : (head + 1) * dk], k[head * dk : (head + 1) * dk]]
+        assert rows.equal(torch.cat([*heads, v[head * value_width : (head + 1) * value_width]])), head
+    assert grouped_by_key_head(ours, n_k, dk, inverse=True).equal(hf)
+
+
 def test_gated_deltanet_packed_documents_equal_each_alone_in_transformers():
     """Each document of a packed row equals transformers' layer run on it alone within 1e-4, its first
     three tokens (those a leaking conv window or state would change) within it too."""
