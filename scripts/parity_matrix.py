@@ -1,12 +1,12 @@
 """Loss parity of parallel layouts with one process, on CPU (gloo), in fp32.
 
-Every layout (scripts/parity_layouts.py's MATRIX) trains a debug model (Llama 3's, or Qwen3's: `model`)
-for a few steps on the same global batches as a 1-process reference run (same global batch size and
-model) and must log the same per-step loss and gradient norm, and the same validation loss (steps 5
-and 10, the same global validation batch; V-shaped pipeline schedules, which cannot evaluate, are compared
-without it), within a tolerance: data, tensor, sequence and pipeline
-parallelism, gradient accumulation, activation checkpointing and compilation change how the work is
-split, never what is computed.
+Every layout (scripts/parity_layouts.py's MATRIX, then scripts/parity_layouts_qwen3_5.py's) trains a
+debug model (Llama 3's, or another family's: `model`) for a few steps on the same global batches as a
+1-process reference run (same global batch size and model) and must log the same per-step loss and
+gradient norm, and the same validation loss (steps 5 and 10, the same global validation batch; V-shaped
+pipeline schedules, which cannot evaluate, are compared without it), within a tolerance: data, tensor,
+sequence and pipeline parallelism, gradient accumulation, activation checkpointing and compilation
+change how the work is split, never what is computed.
 
 Usage: python scripts/parity_matrix.py [--only SUBSTRING ...] [--steps 10] [--tol 1e-5] [--keep DIR]
        python scripts/parity_matrix.py --dtype bfloat16 [--only SUBSTRING ...] [--bound 1.5]
@@ -38,6 +38,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # scripts.parity_layouts, tests
 from launch import read_metrics, run_train, validation_losses  # noqa: E402
 
 from scripts.parity_layouts import MATRIX, Layout  # noqa: E402
+from scripts.parity_layouts_qwen3_5 import QWEN3_5_LAYOUTS  # noqa: E402
 from torchtitan.config.parser import OneLineParser, positive_int  # noqa: E402
 from torchtitan.errors import run_with_exit_codes  # noqa: E402
 
@@ -238,7 +239,11 @@ def main() -> int:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="see above")
     parser.add_argument("--bound", type=float, default=1.5, help="bfloat16: largest allowed error ratio")
     args = parser.parse_args()
-    layouts = [layout for layout in MATRIX if not args.only or any(s in layout.name for s in args.only)]
+    layouts = [
+        layout
+        for layout in [*MATRIX, *QWEN3_5_LAYOUTS]
+        if not args.only or any(s in layout.name for s in args.only)
+    ]
     if not layouts:
         parser.error(f"no layout matches {args.only}")
     if args.dtype == "bfloat16":

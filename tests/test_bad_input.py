@@ -501,6 +501,13 @@ CASES = [
         env={"WORLD_SIZE": "4"},
     ),
     Case(
+        "TP not dividing Gated DeltaNet's heads",
+        args("--model.name", "qwen3_5", "--parallelism.tensor_parallel_degree", "4"),
+        "parallelism.tensor_parallel_degree: 4 does not divide the model's 4 attention heads, 2 kv heads, 2 "
+        "linear-attention key heads and 4 value heads; choose a common divisor",
+        env={"WORLD_SIZE": "4"},
+    ),
+    Case(
         "tied embeddings under PP",
         args(
             "--model.name",

@@ -12,6 +12,8 @@ technique on its own as well, and DDP and AC every N-th block. The references (c
 reference_run) are shared with test_train.py, test_pipeline.py, test_chunked_loss.py and
 test_context_parallel.py."""
 
+import shutil
+
 import pytest
 from launch import TINY_JOB
 
@@ -35,6 +37,7 @@ from scripts.parity_layouts import (
     pp,
     tp,
 )
+from scripts.parity_layouts_qwen3_5 import QWEN3_5_BLOCK
 from scripts.parity_matrix import last_words, launch_output, run_layout
 
 STEPS = 10  # reference_run's
@@ -128,6 +131,44 @@ def test_layout_matches_single_process(layout, reference_run, tmp_path):
     assert result.max_loss_diff <= TOL and result.max_grad_norm_diff <= TOL, result
     assert result.max_validation_diff <= TOL and result.max_moe_diff <= TOL, result
     assert result.step1_loss_diff <= 1e-6, result  # the same init and data: at most float rounding
+
+
+# Qwen3.5 (issue 65), packed documents attending within themselves: Gated DeltaNet split by key head
+# under TP (the conv's channels, the decay and the per-head norm with them), its state and conv window
+# restarting at each document, its gated attention as Qwen3's, with FSDP and selective AC; a
+# pipeline of one block a stage (3 Gated DeltaNet stages and an attention one), which resumes the TP
+# run's checkpoint of step 5 (resharded across layouts: model, optimizer, data stream) and continues it.
+# FSDP 2, TP 2, PP 2 1F1B on their own and compile + AC (a cold compile of the chunked delta rule, ~4
+# minutes on 2 cores): scripts/parity_matrix.py.
+QWEN3_5_SAVE_5 = ("--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "5")
+QWEN3_5_TP = Layout(
+    "Qwen3.5, block_causal: FSDP 2 x TP 2 + AC selective op",
+    4,
+    2,
+    4,
+    tp(2) + AC_OP + QWEN3_5_SAVE_5,
+)
+QWEN3_5_PP = Layout(
+    "Qwen3.5, block_causal: PP 2, Interleaved1F1B, from step 5",
+    2,
+    4,
+    4,
+    pp(2, "Interleaved1F1B") + QWEN3_5_SAVE_5,
+)
+
+
+def test_qwen3_5_matches_single_process_and_resumes_across_layouts(reference_run, tmp_path):
+    reference = reference_run(4, QWEN3_5_BLOCK)
+    result = run_layout(QWEN3_5_TP, tmp_path / "tp", STEPS, reference)
+    assert result.error is None, f"{result.error}\n{launch_output(tmp_path / 'tp')}"
+    assert result.max_loss_diff <= TOL and result.max_grad_norm_diff <= TOL, result
+    assert result.max_validation_diff <= TOL and result.step1_loss_diff <= 1e-6, result
+    shutil.copytree(tmp_path / "tp" / "checkpoint" / "step-5", tmp_path / "pp" / "checkpoint" / "step-5")
+    later = [metrics for metrics in reference if metrics["step"] > 5]  # it logs steps 6 to 10 only
+    result = run_layout(QWEN3_5_PP, tmp_path / "pp", STEPS, later)
+    assert result.error is None, f"{result.error}\n{launch_output(tmp_path / 'pp')}"
+    assert result.max_loss_diff <= TOL and result.max_grad_norm_diff <= TOL, result
+    assert result.max_validation_diff <= TOL, result
 
 
 def test_a_failed_launch_is_named_by_its_root_cause():

@@ -16,7 +16,7 @@ from torchtitan.models.documents import Documents, document_positions
 from torchtitan.models.llama.model import precompute_freqs_cis
 from torchtitan.models.qwen3_5 import Qwen35ModelArgs
 from torchtitan.models.qwen3_5.attention import GatedAttention
-from torchtitan.models.qwen3_5.gated_deltanet import GatedDeltaNet
+from torchtitan.models.qwen3_5.gated_deltanet import GatedDeltaNet, grouped_by_key_head
 
 modeling = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 
@@ -108,7 +108,11 @@ def test_transformers_runs_its_pytorch_path():
 def gated_deltanets() -> tuple[GatedDeltaNet, torch.nn.Module]:
     ours = randomise_(GatedDeltaNet(ARGS))
     theirs = modeling.Qwen3_5GatedDeltaNet(hf_config(), layer_idx=0)
-    theirs.load_state_dict(ours.state_dict())  # the same names
+    # The same names; in_proj_qkv's rows and the conv's channels in transformers' order.
+    state, n_k, dk = ours.state_dict(), ARGS.linear_n_key_heads, ARGS.linear_key_head_dim
+    for name in ("in_proj_qkv.weight", "conv1d.weight"):
+        state[name] = grouped_by_key_head(state[name], n_k, dk, inverse=True)
+    theirs.load_state_dict(state)
     return ours, theirs
 
 
@@ -117,6 +121,20 @@ def test_gated_deltanet_equals_transformers():
     x = hidden(2, LENGTH)
     with torch.no_grad():
         assert (ours(x) - theirs(x)).abs().max() < 1e-5
+
+
+def test_in_proj_qkv_rows_are_grouped_by_key_head_and_convert_back_bit_exact():
+    """What tensor parallelism's plain split of rows relies on: each key head's block of our rows is its
+    q, its k and the v of the value heads it serves (transformers': every q, every k, every v); the
+    conv's channels (3-d) likewise; back to transformers' order exactly."""
+    n_k, dk, value_width = 2, 3, 4  # 2 value heads of 2 per key head
+    hf = torch.arange(2 * n_k * dk + n_k * value_width).view(-1, 1, 1).expand(-1, 1, 4)
+    q, k, v = hf.split([n_k * dk, n_k * dk, n_k * value_width])
+    ours = grouped_by_key_head(hf, n_k, dk)
+    for head, rows in enumerate(ours.chunk(n_k)):  # a TP rank's share at TP n_k
+        heads = [q[head * dk : (head + 1) * dk], k[head * dk : (head + 1) * dk]]
+        assert rows.equal(torch.cat([*heads, v[head * value_width : (head + 1) * value_width]])), head
+    assert grouped_by_key_head(ours, n_k, dk, inverse=True).equal(hf)
 
 
 def test_gated_deltanet_packed_documents_equal_each_alone_in_transformers():
@@ -326,16 +344,71 @@ def test_flops_count_the_delta_rule_and_only_the_attention_layers_scores():
     assert qwen3_5_flops_per_token(every_layer_attention, 1000, 2048) == flops_per_token(1000, 4, 4, 64, 2048)
 
 
-@pytest.mark.parametrize("degree", ["tensor", "context"])
-def test_tensor_and_context_parallel_are_refused_before_any_worker(degree):
+def test_context_parallel_is_refused_before_any_worker():
     """Not written yet for Gated DeltaNet: context parallelism would start each rank's share of a
-    sequence from a zero state, silently. The preflight's rules refuse both in one line."""
+    sequence from a zero state, silently. The preflight's rules refuse it in one line."""
     from torchtitan.config.options import ConfigError
     from torchtitan.config.parser import parse_args
     from torchtitan.config_rules import check_layout
 
-    job = parse_args(["--model.name", "qwen3_5", f"--parallelism.{degree}_parallel_degree", "2"])
-    with pytest.raises(
-        ConfigError, match=f"parallelism.{degree}_parallel_degree: qwen3_5's linear-attention"
-    ):
+    job = parse_args(["--model.name", "qwen3_5", "--parallelism.context_parallel_degree", "2"])
+    with pytest.raises(ConfigError, match="parallelism.context_parallel_degree: qwen3_5's linear-attention"):
         check_layout(job, world_size=2)
+
+
+def test_tensor_parallel_splits_whole_key_heads_or_is_refused():
+    """TP gives each rank whole key heads (and the value heads they serve): a degree that divides the
+    attention's heads but not Gated DeltaNet's key heads is refused, naming every count; the debug
+    flavour splits over 2 (its TP runs: tests/test_parity.py)."""
+    from dataclasses import replace
+
+    from torchtitan.config.options import ConfigError
+    from torchtitan.config.parser import parse_args
+    from torchtitan.config_rules import check_parallelism, parallel_dims_of
+    from torchtitan.models.qwen3_5 import qwen3_5_configs
+
+    job = parse_args(["--model.name", "qwen3_5", "--parallelism.tensor_parallel_degree", "2"])
+    dims, debug = parallel_dims_of(job, world_size=2), qwen3_5_configs["debugmodel"]
+    check_parallelism(job, dims, debug)
+    one_key_head = replace(debug, linear_n_key_heads=1, linear_n_value_heads=2)
+    message = (
+        "parallelism.tensor_parallel_degree: 2 does not divide the model's 4 attention heads, 2 kv heads, "
+        "1 linear-attention key heads and 2 value heads; choose a common divisor"
+    )
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        check_parallelism(job, dims, one_key_head)
+
+
+def test_layer_types_of_another_depth_are_refused_in_one_line(monkeypatch, tmp_path, capsys):
+    """A flavour listing its layer_types, run on another depth (model.n_layers: the tests' tiny job has 2
+    blocks), would build blocks with no kind: refused before any work, exit 2, one line; an unknown
+    kind too."""
+    from dataclasses import replace
+
+    from launch import TINY_JOB, run_train_in_process
+
+    from torchtitan.config.options import ConfigError
+    from torchtitan.models.qwen3_5 import qwen3_5_configs
+
+    listed = replace(
+        qwen3_5_configs["debugmodel"], layer_types=("linear_attention",) * 3 + ("full_attention",)
+    )
+    monkeypatch.setitem(qwen3_5_configs, "listed", listed)
+    job = [
+        "--model.name",
+        "qwen3_5",
+        "--model.flavor",
+        "listed",
+        "--model.tokenizer_path",
+        "assets/tokenizer/kjv_bpe_hf",
+    ]
+    code = run_train_in_process(*TINY_JOB, *job, "--job.dump_folder", str(tmp_path / "dump"))
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(
+        "error: model.n_layers: 2 blocks, but the flavour lists 4 layer_types; set model.n_layers to 4 "
+        "(or 0, the flavour's depth)"
+    ), err
+    assert not (tmp_path / "dump").exists()
+    with pytest.raises(ConfigError, match="^model.flavor: its layer_types holds 'mamba'; each is"):
+        replace(listed, layer_types=("linear_attention", "mamba") * 2)

@@ -64,19 +64,19 @@ def gradient_accumulation_steps(training_config: TrainingConfig, parallel_dims: 
 
 
 def check_parallelism(job_config: JobConfig, parallel_dims: ParallelDims, model_args: ModelArgs) -> None:
-    """Tensor parallelism must split the heads and the sequence (and has no plan yet for linear
-    attention); the AC option must parse."""
+    """Tensor parallelism must split the heads (linear attention's key and value heads too) and the
+    sequence; the AC option must parse."""
     tp = parallel_dims.tp
-    if tp > 1 and getattr(model_args, "linear_n_value_heads", None) is not None:
-        raise ConfigError(
-            f"parallelism.tensor_parallel_degree: {job_config.model.name}'s linear-attention (Gated "
-            "DeltaNet) layers have no tensor-parallel plan yet (issue 65); use 1"
-        )
     n_kv_heads = model_args.n_kv_heads or model_args.n_heads
-    if model_args.n_heads % tp or n_kv_heads % tp:
+    heads = {"attention heads": model_args.n_heads, "kv heads": n_kv_heads}
+    if getattr(model_args, "linear_n_value_heads", None) is not None:  # Gated DeltaNet's (Qwen3.5)
+        heads |= {"linear-attention key heads": model_args.linear_n_key_heads}
+        heads |= {"value heads": model_args.linear_n_value_heads}
+    if any(count % tp for count in heads.values()):
+        counts = [f"{count} {what}" for what, count in heads.items()]
         raise ConfigError(
-            f"parallelism.tensor_parallel_degree: {tp} does not divide the model's {model_args.n_heads} "
-            f"attention heads and {n_kv_heads} kv heads; choose a common divisor"
+            f"parallelism.tensor_parallel_degree: {tp} does not divide the model's {', '.join(counts[:-1])} "
+            f"and {counts[-1]}; choose a common divisor"
         )
     seq_len, cp = job_config.training.seq_len, parallel_dims.cp
     if cp > 1 and seq_len % (2 * cp):

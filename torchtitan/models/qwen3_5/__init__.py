@@ -12,6 +12,7 @@ tokenizer (the released models' 248,320: `model.vocab_size`).
 
 from dataclasses import dataclass
 
+from torchtitan.config.options import ConfigError
 from torchtitan.models.spec import flops_per_token
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
@@ -48,6 +49,24 @@ class Qwen35ModelArgs:
     attn_mask_type: str = "causal"
     eos_id: int | None = None
     bos_id: int | None = None
+
+    def __post_init__(self) -> None:
+        """A listed `layer_types` names each block's mixer, one per block: refused in one line (before
+        any worker, flavor_args builds these) rather than a block missing its kind or one left over."""
+        kinds = self.layer_types
+        if kinds is None:
+            return
+        if len(kinds) != self.n_layers:
+            raise ConfigError(
+                f"model.n_layers: {self.n_layers} blocks, but the flavour lists {len(kinds)} layer_types; "
+                f"set model.n_layers to {len(kinds)} (or 0, the flavour's depth), or use a flavour without "
+                "layer_types (every full_attention_interval-th block attention)"
+            )
+        if unknown := sorted(set(kinds) - {LINEAR_ATTENTION, FULL_ATTENTION}):
+            raise ConfigError(
+                f"model.flavor: its layer_types holds {unknown[0]!r}; each is {LINEAR_ATTENTION!r} or "
+                f"{FULL_ATTENTION!r}"
+            )
 
     def layer_type(self, layer_id: int) -> str:
         """LINEAR_ATTENTION or FULL_ATTENTION: layer `layer_id`'s token mixer."""

@@ -2,12 +2,19 @@
 PyTorch: the same parameters under the same names (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`,
 `conv1d.weight`, `A_log`, `dt_bias`, `norm.weight`, `out_proj`), so Hugging Face weights load by name.
 
-x -> q, k, v (one projection, rows [q of every key head; k of every key head; v of every value head]),
-a depthwise causal convolution of width 4 and SiLU on them; z (the output gate), b and a -> beta =
-sigmoid(b), the log decay g = -exp(A_log) softplus(a + dt_bias) <= 0; q and k L2-normed, q scaled by
-dk^-0.5, each key head repeated for its n_value_heads / n_key_heads value heads; the gated delta rule
-(delta_rule.py) from a zero state; an RMSNorm of each head's output times SiLU(z); out_proj. The decay,
-the norms and the rule run in float32 (torch's default dtype, `upcast`), whatever the matmuls'.
+x -> q, k, v (one projection), a depthwise causal convolution of width 4 and SiLU on them; z (the output
+gate), b and a -> beta = sigmoid(b), the log decay g = -exp(A_log) softplus(a + dt_bias) <= 0; q and k
+L2-normed, q scaled by dk^-0.5, each key head repeated for its n_value_heads / n_key_heads value heads;
+the gated delta rule (delta_rule.py) from a zero state; an RMSNorm of each head's output times SiLU(z);
+out_proj. The decay, the norms and the rule run in float32 (torch's default dtype, `upcast`), whatever
+the matmuls'.
+
+One layout differs from transformers': in_proj_qkv's rows and the conv's channels are grouped by key
+head, [q, k, v of the value heads it serves] for each key head in turn (transformers': every q, then
+every k, then every v; hf_convert.py reorders them both ways, bit for bit, `grouped_by_key_head`), so
+that tensor parallelism's plain split of rows (Shard(0), tp_plan.py) gives each rank whole key heads
+with their value heads, and the conv's channels with them. The rows' order changes no result (nor Adam's
+or Muon's updates, which a row permutation commutes with).
 
 Packed documents (block_causal), with no Python loop over them: the convolution's taps that reach back
 into the previous document are zeroed (a mask from the document ids, one per tap), and g is -inf at
@@ -15,11 +22,14 @@ each document's first token, which the delta rule takes as a state reset (exact,
 each document runs as if alone.
 
 Head counts are read from the projected tensors (b has one column per value head), as in the other
-families' attention, so the module needs no change when a parallelism gives it a share of the heads."""
+families' attention, so the module needs no change when a parallelism gives it a share of the heads;
+its per-channel and per-head tensors (the conv's taps, A_log, dt_bias) are read as their local shard.
+"""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torchtitan.models.decoder import upcast
 from torchtitan.models.documents import Documents
@@ -32,6 +42,28 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum x^2 + eps) over the last dim: fla's and transformers' form (not F.normalize's
     x / max(|x|, eps), which differs for small vectors)."""
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + eps)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a parameter tensor parallelism split by channel or head (tp_plan.py): its
+    gradient is that shard's."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def grouped_by_key_head(
+    weight: torch.Tensor, n_key_heads: int, key_dim: int, inverse: bool = False
+) -> torch.Tensor:
+    """in_proj_qkv's rows (or the conv's channels: dim 0) from transformers' order [every q; every k;
+    every v] to ours, [q; k; v of the value heads it serves] per key head (module docstring);
+    `inverse`: ours back to transformers'."""
+    rest = weight.shape[1:]
+    per_key = weight.shape[0] // n_key_heads  # 2 key_dim + its value heads' width
+    widths = [key_dim, key_dim, per_key - 2 * key_dim]
+    if inverse:
+        parts = weight.reshape(n_key_heads, per_key, *rest).split(widths, dim=1)
+        return torch.cat([part.flatten(0, 1) for part in parts])
+    parts = weight.split([n_key_heads * width for width in widths])
+    return torch.cat([part.reshape(n_key_heads, -1, *rest) for part in parts], dim=1).flatten(0, 1)
 
 
 def document_starts(ids: torch.Tensor) -> torch.Tensor:
@@ -53,7 +85,7 @@ class CausalConv1d(nn.Module):
 
     def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         width, length = self.weight.shape[-1], x.shape[1]
-        taps = self.weight[:, 0]  # (channels, W); tap W - 1 is the token itself
+        taps = local(self.weight)[:, 0]  # (channels, W); tap W - 1 is the token itself
         out = x * taps[:, width - 1]
         for back in range(1, width):
             earlier = F.pad(x, (0, 0, back, 0))[:, :length]
@@ -69,18 +101,20 @@ class CausalConv1d(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm of each head's output (float32), times a plain weight (init ones, not 1 + w), times
-    SiLU(gate): transformers' `Qwen3_5RMSNormGated`, one weight shared by every head."""
+    """RMSNorm of each head's output (float32), times a plain weight (init ones, not 1 + w), one weight
+    shared by every head: transformers' `Qwen3_5RMSNormGated` less its gate, SiLU(z), which the layer
+    multiplies after it in the same order (one input, so that tensor parallelism's sequence-parallel
+    style on the heads' dim fits it, its weight replicated and its gradient summed over the ranks)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = upcast(x)
-        normed = (normed * torch.rsqrt(normed.square().mean(-1, keepdim=True) + self.eps)).type_as(x)
-        return (self.weight * normed * F.silu(upcast(gate))).type_as(x)
+        normed = normed * torch.rsqrt(normed.square().mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.type_as(x)
 
     def init_weights(self) -> None:
         ones_(self.weight)
@@ -131,18 +165,18 @@ class GatedDeltaNet(nn.Module):
         b, a = self.in_proj_b(x), self.in_proj_a(x)
         n_v = b.shape[-1]
         n_k = n_v // self.heads_per_key
-        qkv = F.silu(self.conv1d(self.in_proj_qkv(x), ids))
-        q, k, v = qkv.split([n_k * self.key_dim, n_k * self.key_dim, n_v * self.value_dim], dim=-1)
-        q = l2norm(upcast(q).view(bs, seqlen, n_k, self.key_dim)) * self.key_dim**-0.5
-        k = l2norm(upcast(k).view(bs, seqlen, n_k, self.key_dim))
+        qkv = F.silu(self.conv1d(self.in_proj_qkv(x), ids)).view(bs, seqlen, n_k, -1)
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.heads_per_key * self.value_dim], dim=-1)
+        q = l2norm(upcast(q)) * self.key_dim**-0.5
+        k = l2norm(upcast(k))
         if self.heads_per_key > 1:
             q = q.repeat_interleave(self.heads_per_key, dim=2)
             k = k.repeat_interleave(self.heads_per_key, dim=2)
         beta = upcast(b).sigmoid()
-        g = -upcast(self.A_log).exp() * F.softplus(upcast(a) + upcast(self.dt_bias))
+        g = -upcast(local(self.A_log)).exp() * F.softplus(upcast(a) + upcast(local(self.dt_bias)))
         if ids is not None:
             g = g.masked_fill(document_starts(ids)[..., None], float("-inf"))
-        out, _ = chunk_gated_delta_rule(q, k, upcast(v).view(bs, seqlen, n_v, self.value_dim), g, beta)
+        out, _ = chunk_gated_delta_rule(q, k, upcast(v).reshape(bs, seqlen, n_v, self.value_dim), g, beta)
         z = self.in_proj_z(x).view(bs, seqlen, n_v, self.value_dim)
-        out = self.norm(out.type_as(x), z).reshape(bs, seqlen, -1)
+        out = (self.norm(out.type_as(x)) * F.silu(upcast(z))).type_as(x).reshape(bs, seqlen, -1)
         return self.out_proj(out)

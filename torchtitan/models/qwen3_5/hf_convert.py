@@ -3,7 +3,9 @@
 
 Only the names differ, by a table: Gated DeltaNet's parameters keep transformers' names under
 `linear_attn` (ours: the block's `attention`), the gated attention's are Qwen3's (wq -> q_proj, ...,
-wq's rows already per head [query | gate] as transformers' q_proj). Which layers are which is
+wq's rows already per head [query | gate] as transformers' q_proj); in_proj_qkv's rows and the conv's
+channels are reordered, grouped by key head in ours (gated_deltanet.py's `grouped_by_key_head`: how
+tensor parallelism splits them by head). Which layers are which is
 config.json's `layer_types`, checked against the flavour's. The released vision-language folders
 (`model.language_model.*`) and Qwen3-Next's fused projections are not read here yet (issue 65)."""
 
@@ -11,6 +13,7 @@ import torch
 
 from torchtitan.config.options import ConfigError
 from torchtitan.models.hf_convert import (
+    RowOrder,
     check_rope,
     decoder_config,
     expected_tensors,
@@ -19,6 +22,7 @@ from torchtitan.models.hf_convert import (
 )
 from torchtitan.models.qwen3.hf_convert import NAMES as QWEN3_NAMES
 from torchtitan.models.qwen3_5 import FULL_ATTENTION, LINEAR_ATTENTION, Qwen35ModelArgs
+from torchtitan.models.qwen3_5.gated_deltanet import grouped_by_key_head
 
 MODEL_TYPE = "qwen3_5_text"
 
@@ -56,15 +60,30 @@ def layer_types(config: dict) -> list[str]:
     ]
 
 
+def key_head_rows(n_key_heads: int, key_dim: int, inverse: bool) -> RowOrder:
+    """in_proj_qkv's rows and the conv's channels between HF's order and ours (grouped by key head)."""
+
+    def rows(name: str, w: torch.Tensor) -> torch.Tensor:
+        if name.endswith(("attention.in_proj_qkv.weight", "attention.conv1d.weight")):
+            return grouped_by_key_head(w, n_key_heads, key_dim, inverse)
+        return w
+
+    return rows
+
+
 def to_hf(state_dict: dict[str, torch.Tensor], model_args: Qwen35ModelArgs) -> dict[str, torch.Tensor]:
     """Our model's state dict -> HF Qwen3_5ForCausalLM's."""
-    return to_hf_names(state_dict, NAMES, model_args.tie_word_embeddings)
+    rows = key_head_rows(model_args.linear_n_key_heads, model_args.linear_key_head_dim, inverse=True)
+    return to_hf_names(state_dict, NAMES, model_args.tie_word_embeddings, rows)
 
 
 def from_hf(state_dict: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
-    """HF Qwen3_5ForCausalLM's state dict -> our model's (the layout is the same); a tied model's
-    lm_head becomes a copy of the embeddings."""
-    return from_hf_names(state_dict, NAMES)
+    """HF Qwen3_5ForCausalLM's state dict -> our model's; a tied model's lm_head becomes a copy of the
+    embeddings."""
+    # transformers' defaults where config.json leaves them out
+    n_key_heads, key_dim = config.get("linear_num_key_heads", 16), config.get("linear_key_head_dim", 128)
+    rows = key_head_rows(n_key_heads, key_dim, inverse=False)
+    return from_hf_names(state_dict, NAMES, rows)
 
 
 def _rope(model_args: Qwen35ModelArgs) -> dict:
