@@ -6,9 +6,9 @@ of 4 stages (Interleaved1F1B) holds each kind of block alone. The CI runs two of
 (tests/test_parity.py); the compiled ones are the slow ones (on 2 CPU cores: compile + AC 267 s, TP 2 +
 compile 362 s, the others 6 to 35 s)."""
 
-from scripts.parity_layouts import AC_OP, BLOCK_CAUSAL, COMPILE, FLAVOR_DEPTH, HF_TOKENIZER, Layout, pp, tp
+from scripts.parity_layouts import AC_OP, BLOCK_CAUSAL, COMPILE, HF_TOKENIZER, Layout, deep, pp, tp
 
-QWEN3_5 = ("--model.name", "qwen3_5", *HF_TOKENIZER, *FLAVOR_DEPTH)
+QWEN3_5 = deep(("--model.name", "qwen3_5", *HF_TOKENIZER))
 QWEN3_5_BLOCK = (*QWEN3_5, *BLOCK_CAUSAL)
 
 QWEN3_5_LAYOUTS = [

@@ -37,7 +37,7 @@ from scripts.parity_layouts import (
     pp,
     tp,
 )
-from scripts.parity_layouts_qwen3_5 import QWEN3_5_BLOCK
+from scripts.parity_layouts_qwen3_5 import QWEN3_5_BLOCK, QWEN3_5_LAYOUTS
 from scripts.parity_matrix import last_words, launch_output, run_layout
 
 STEPS = 10  # reference_run's
@@ -147,6 +147,7 @@ QWEN3_5_TP = Layout(
     2,
     4,
     tp(2) + AC_OP + QWEN3_5_SAVE_5,
+    QWEN3_5_BLOCK,
 )
 QWEN3_5_PP = Layout(
     "Qwen3.5, block_causal: PP 2, Interleaved1F1B, from step 5",
@@ -154,6 +155,7 @@ QWEN3_5_PP = Layout(
     4,
     4,
     pp(2, "Interleaved1F1B") + QWEN3_5_SAVE_5,
+    QWEN3_5_BLOCK,
 )
 
 
@@ -198,7 +200,7 @@ def test_every_layout_passes_the_preflight(tmp_path):
     from torchtitan.reliability.preflight import check_job
 
     refused = []
-    for layout in [*MATRIX, *CI_LAYOUTS]:
+    for layout in [*MATRIX, *QWEN3_5_LAYOUTS, *CI_LAYOUTS, QWEN3_5_TP, QWEN3_5_PP]:
         try:
             check_job(
                 parse_args([*TINY_JOB, "--job.dump_folder", str(tmp_path), *layout.argv(STEPS)]), layout.nproc
