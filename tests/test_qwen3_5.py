@@ -339,3 +339,117 @@ def test_tensor_and_context_parallel_are_refused_before_any_worker(degree):
         ConfigError, match=f"parallelism.{degree}_parallel_degree: qwen3_5's linear-attention"
     ):
         check_layout(job, world_size=2)
+
+
+# Qwen3.5-MoE (model.name qwen3_5_moe): ARGS' token mixers, a mixture of experts in every layer.
+
+MOE_SIZES = dict(num_experts=8, top_k=2, moe_hidden_dim=24, shared_hidden_dim=40)
+
+
+def moe_args(**changes: object) -> object:
+    from dataclasses import asdict
+
+    from torchtitan.models.qwen3_5_moe import Qwen35MoeModelArgs
+
+    return Qwen35MoeModelArgs(**{**asdict(ARGS), **MOE_SIZES, **changes})
+
+
+def hf_moe_model() -> torch.nn.Module:
+    """A random transformers Qwen3_5MoeForCausalLM of ARGS' shape with 8 experts of which each token
+    takes 2 and the gated shared expert, every parameter drawn (the router's too, so that the choices
+    are clear-cut, and the shared expert's gate, so that it scales)."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    dense = hf_config().to_dict()
+    for key in ("intermediate_size", "model_type", "architectures", "transformers_version"):
+        dense.pop(key, None)
+    config = Qwen3_5MoeTextConfig(
+        **{**dense, "tie_word_embeddings": False},
+        num_experts=MOE_SIZES["num_experts"],
+        num_experts_per_tok=MOE_SIZES["top_k"],
+        moe_intermediate_size=MOE_SIZES["moe_hidden_dim"],
+        shared_expert_intermediate_size=MOE_SIZES["shared_hidden_dim"],
+    )
+    torch.manual_seed(0)
+    model = Qwen3_5MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            std = 1.0 if name.endswith("mlp.gate.weight") else 0.05 if p.ndim > 1 else 0.5
+            p.normal_(0.0, std)
+    return model
+
+
+def test_moe_from_hf_matches_transformers_and_round_trips_bit_exact(tmp_path):
+    """transformers' Qwen3_5MoeForCausalLM -> its folder (one Linear per expert) -> DCP -> ours: the same
+    logits within 1e-5; packed documents each equal transformers' on the document alone within 1e-4 (the
+    first three tokens too); -> HF again after 0 steps: the same files bit for bit, which transformers
+    loads as a Qwen3_5MoeForCausalLM with the same logits."""
+    from dataclasses import replace
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from scripts import convert_dcp_to_hf, convert_hf_to_dcp
+    from torchtitan.checkpoint.load import read_model_weights
+    from torchtitan.models import MODEL_SPECS
+
+    theirs = hf_moe_model()
+    theirs.save_pretrained(tmp_path / "hf")
+    files = load_file(tmp_path / "hf" / "model.safetensors")
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in files  # per expert on disk
+    convert_hf_to_dcp.convert(str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    weights = read_model_weights(str(tmp_path / "dcp"))
+    spec = MODEL_SPECS["qwen3_5_moe"]
+    ours = spec.build(moe_args()).eval()
+    assert weights.keys() == ours.state_dict().keys()
+    ours.load_state_dict(weights)
+    packed = spec.build(moe_args(attn_mask_type="block_causal", eos_id=0)).eval()
+    packed.load_state_dict(weights)
+
+    tokens = torch.randint(1, ARGS.vocab_size, (2, LENGTH), generator=torch.Generator().manual_seed(1))
+    for row in range(2):
+        for _, end in spans(row):
+            tokens[row, end - 1] = 0  # each document ends with its EOS
+    with torch.no_grad():
+        assert (ours(tokens) - theirs(tokens).logits).abs().max() < 1e-5
+        out = packed(tokens)
+        for row in range(2):
+            for start, end in spans(row):
+                alone = theirs(tokens[row : row + 1, start:end]).logits[0]
+                first = min(3, end - start)
+                assert (out[row, start : start + first] - alone[:first]).abs().max() < 1e-4, (row, start)
+                assert (out[row, start:end] - alone).abs().max() < 1e-4, (row, start)
+
+    convert_dcp_to_hf.convert(str(tmp_path / "dcp"), str(tmp_path / "back"), moe_args(), name="qwen3_5_moe")
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert back.keys() == files.keys()
+    for name, w in files.items():
+        assert torch.equal(back[name], w), name
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (config["architectures"], config["model_type"]) == (["Qwen3_5MoeForCausalLM"], "qwen3_5_moe_text")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
+    assert type(exported).__name__ == "Qwen3_5MoeForCausalLM"
+    with torch.no_grad():
+        assert (ours(tokens) - exported(tokens).logits).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("flavor", ["35B-A3B", "122B-A10B", "397B-A17B"])
+def test_moe_flavours_have_the_published_sizes(flavor):
+    """Built on the meta device with the released vocabulary (248,320), each flavour's text model has its
+    name's parameters within 2% (the released folders add the vision encoder and the MTP head) and its
+    active parameters (top_k of the experts, as MFU counts them) within 0.5B of the name's."""
+    from dataclasses import replace
+
+    from torchtitan.models import MODEL_SPECS
+    from torchtitan.models.qwen3_5 import qwen3_5_flops_per_token
+    from torchtitan.models.qwen3_5_moe import qwen3_5_moe_flops_per_token
+
+    spec = MODEL_SPECS["qwen3_5_moe"]
+    args = replace(spec.flavors[flavor], vocab_size=248320)
+    with torch.device("meta"):
+        model = spec.build(args)
+    total = model.num_params()
+    active = (qwen3_5_moe_flops_per_token(args, total, 4096) - qwen3_5_flops_per_token(args, 0, 4096)) / 6
+    named_total, named_active = (float(x) * 1e9 for x in flavor.removesuffix("B").split("B-A"))
+    assert abs(total - named_total) < 0.02 * named_total, total
+    assert abs(active - named_active) < 0.5e9, active

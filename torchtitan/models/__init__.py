@@ -12,6 +12,7 @@ from torchtitan.models.deepseek_v3 import deepseek_flops_per_token, deepseek_v3_
 from torchtitan.models.llama import llama2_configs, llama3_configs
 from torchtitan.models.qwen3 import qwen3_configs
 from torchtitan.models.qwen3_5 import qwen3_5_configs, qwen3_5_flops_per_token
+from torchtitan.models.qwen3_5_moe import qwen3_5_moe_configs, qwen3_5_moe_flops_per_token
 from torchtitan.models.qwen3_moe import moe_flops_per_token, qwen3_moe_configs
 from torchtitan.models.spec import ModelArgs, ModelSpec
 
@@ -58,6 +59,16 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         hf_adapter="torchtitan.models.qwen3_5.hf_convert",
         hf_architecture="Qwen3_5ForCausalLM",
         flops_per_token=qwen3_5_flops_per_token,
+    ),
+    "qwen3_5_moe": ModelSpec(
+        name="qwen3_5_moe",
+        flavors=qwen3_5_moe_configs,
+        model="torchtitan.models.qwen3_5_moe.model:Transformer",
+        tp_plan="torchtitan.models.qwen3_5.tp_plan:qwen3_5_block_plan",
+        hf_adapter="torchtitan.models.qwen3_5_moe.hf_convert",
+        hf_architecture="Qwen3_5MoeForCausalLM",
+        flops_per_token=qwen3_5_moe_flops_per_token,
+        moe=True,
     ),
     "deepseek_v3": ModelSpec(
         name="deepseek_v3",
