@@ -384,7 +384,6 @@ def test_moe_from_hf_matches_transformers_and_round_trips_bit_exact(tmp_path):
     logits within 1e-5; packed documents each equal transformers' on the document alone within 1e-4 (the
     first three tokens too); -> HF again after 0 steps: the same files bit for bit, which transformers
     loads as a Qwen3_5MoeForCausalLM with the same logits."""
-    from dataclasses import replace
 
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -433,11 +432,12 @@ def test_moe_from_hf_matches_transformers_and_round_trips_bit_exact(tmp_path):
         assert (ours(tokens) - exported(tokens).logits).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("flavor", ["35B-A3B", "122B-A10B", "397B-A17B"])
+@pytest.mark.parametrize("flavor", ["35B-A3B", "122B-A10B", "397B-A17B", "Next-80B-A3B"])
 def test_moe_flavours_have_the_published_sizes(flavor):
-    """Built on the meta device with the released vocabulary (248,320), each flavour's text model has its
-    name's parameters within 2% (the released folders add the vision encoder and the MTP head) and its
-    active parameters (top_k of the experts, as MFU counts them) within 0.5B of the name's."""
+    """Built on the meta device with the released vocabulary (Qwen3.5's 248,320, Qwen3-Next's 151,936),
+    each flavour's text model has its name's parameters within 2% (the released folders add the vision
+    encoder and the MTP head) and its active parameters (top_k of the experts, as MFU counts them)
+    within 0.5B of the name's (Qwen3-Next's, 3.9B, within 1B)."""
     from dataclasses import replace
 
     from torchtitan.models import MODEL_SPECS
@@ -445,11 +445,114 @@ def test_moe_flavours_have_the_published_sizes(flavor):
     from torchtitan.models.qwen3_5_moe import qwen3_5_moe_flops_per_token
 
     spec = MODEL_SPECS["qwen3_5_moe"]
-    args = replace(spec.flavors[flavor], vocab_size=248320)
+    args = replace(spec.flavors[flavor], vocab_size=151936 if flavor.startswith("Next") else 248320)
     with torch.device("meta"):
         model = spec.build(args)
     total = model.num_params()
     active = (qwen3_5_moe_flops_per_token(args, total, 4096) - qwen3_5_flops_per_token(args, 0, 4096)) / 6
-    named_total, named_active = (float(x) * 1e9 for x in flavor.removesuffix("B").split("B-A"))
+    named_total, named_active = (float(x) * 1e9 for x in flavor.removeprefix("Next-")[:-1].split("B-A"))
     assert abs(total - named_total) < 0.02 * named_total, total
-    assert abs(active - named_active) < 0.5e9, active
+    assert abs(active - named_active) < (1e9 if flavor.startswith("Next") else 0.5e9), active
+
+
+# Hugging Face folders as the released checkpoints come: vision-language (Qwen3.5, Qwen3.5-MoE) and
+# Qwen3-Next's fused layout.
+
+
+def vision_language_folder(text_folder, folder, model_type: str):
+    """The released layout, written by hand from a text-only folder: config.json's settings under
+    `text_config`, the text model under model.language_model.*, beside a vision encoder
+    (model.visual.*) and a multi-token prediction head (mtp.*), which no model here has a place for."""
+    from safetensors.torch import load_file, save_file
+
+    text = json.loads((text_folder / "config.json").read_text())
+    tensors = {
+        name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name: w
+        for name, w in load_file(text_folder / "model.safetensors").items()
+    }
+    tensors["model.visual.patch_embed.proj.weight"] = torch.ones(8, 3, 2, 2)
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = torch.ones(24, 8)
+    tensors["mtp.fc.weight"] = torch.ones(ARGS.dim, 2 * ARGS.dim)
+    folder.mkdir()
+    save_file(tensors, folder / "model.safetensors")
+    config = {
+        "model_type": model_type,
+        "architectures": [f"{type_name(model_type)}ForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": {"depth": 1, "hidden_size": 8},
+        "tie_word_embeddings": text.get("tie_word_embeddings", False),
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def type_name(model_type: str) -> str:
+    return {"qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe"}[model_type]
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
+def test_a_vision_language_folder_loads_its_text_model(tmp_path, name):
+    """The released checkpoints' layout: checkpoint.initial_load_path reads the text model (the same
+    weights, bit for bit, as from the text-only folder), naming what it leaves out in one line; so does
+    scripts/convert_hf_to_dcp.py. A job of the other Qwen3.5 family refuses it in one line."""
+    from dataclasses import replace
+
+    from scripts import convert_hf_to_dcp
+    from torchtitan.checkpoint.hf_reader import HFReader, load_hf_weights
+    from torchtitan.config.options import ConfigError
+    from torchtitan.config.parser import parse_args
+    from torchtitan.models import MODEL_SPECS
+
+    theirs = hf_moe_model() if name == "qwen3_5_moe" else hf_model(tied=True)
+    theirs.save_pretrained(tmp_path / "text")
+    folder = vision_language_folder(tmp_path / "text", tmp_path / "vlm", name)
+    args = moe_args() if name == "qwen3_5_moe" else replace(ARGS, tie_word_embeddings=True)
+    model = MODEL_SPECS[name].build(args)
+    job = parse_args(["--model.name", name])
+    reader = load_hf_weights(model, str(folder), job.model, args)
+    expected = HFReader(str(tmp_path / "text"), "hf_folder").read_all()
+    assert model.state_dict().keys() == expected.keys()
+    for key, w in model.state_dict().items():
+        assert torch.equal(w, expected[key]), key
+    assert reader.skipped_summary() == (
+        "vision encoder: 2 tensors (model.visual.blocks.0.attn.qkv.weight, ...); "
+        "multi-token prediction: 1 tensors (mtp.fc.weight)"
+    )
+    assert convert_hf_to_dcp.convert(str(folder), str(tmp_path / "dcp")).skipped == reader.skipped
+
+    other = "qwen3_5" if name == "qwen3_5_moe" else "qwen3_5_moe"
+    with pytest.raises(ConfigError, match=f"^model.name: .* holds a {name} model .* not this job's {other}"):
+        HFReader(str(folder), "checkpoint.initial_load_path", other)
+
+
+def test_a_qwen3_next_folder_loads_with_its_fused_projections(tmp_path):
+    """A Qwen3NextForCausalLM folder (Gated DeltaNet's q, k, v, z and b, a fused per key head) read as
+    qwen3_5_moe: the same logits as transformers' Qwen3-Next within 1e-5."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from scripts import convert_hf_to_dcp
+    from torchtitan.checkpoint.load import read_model_weights
+    from torchtitan.models import MODEL_SPECS
+
+    moe = hf_moe_model().config.to_dict()
+    keys = [k for k in moe if k.startswith(("linear_", "num_", "moe_", "shared_", "head_dim", "hidden_size"))]
+    config = Qwen3NextConfig(
+        **{k: moe[k] for k in keys},
+        vocab_size=ARGS.vocab_size,
+        rms_norm_eps=ARGS.norm_eps,
+        rope_parameters=hf_config().rope_parameters,
+        norm_topk_prob=True,
+    )
+    torch.manual_seed(0)
+    theirs = Qwen3NextForCausalLM(config).eval()
+    with torch.no_grad():
+        for param_name, p in theirs.named_parameters():
+            p.normal_(0.0, 1.0 if param_name.endswith("mlp.gate.weight") else 0.05 if p.ndim > 1 else 0.5)
+    theirs.save_pretrained(tmp_path / "next")
+    assert json.loads((tmp_path / "next" / "config.json").read_text())["model_type"] == "qwen3_next"
+    convert_hf_to_dcp.convert(str(tmp_path / "next"), str(tmp_path / "dcp"))
+    ours = MODEL_SPECS["qwen3_5_moe"].build(moe_args()).eval()
+    ours.load_state_dict(read_model_weights(str(tmp_path / "dcp")))
+    tokens = torch.randint(0, ARGS.vocab_size, (2, LENGTH), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (ours(tokens) - theirs(tokens).logits).abs().max() < 1e-5

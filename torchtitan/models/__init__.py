@@ -17,6 +17,9 @@ from torchtitan.models.qwen3_moe import moe_flops_per_token, qwen3_moe_configs
 from torchtitan.models.spec import ModelArgs, ModelSpec
 
 HF_CONFIG = "config.json"  # what makes a folder a Hugging Face model's
+# A vision-language folder (Qwen3.5's released checkpoints) holds its text model's settings under this
+# key of config.json, and the text model's tensors under "model.language_model." instead of "model.".
+TEXT_CONFIG = "text_config"
 
 
 def _llama(name: str, flavors: dict) -> ModelSpec:
@@ -85,6 +88,22 @@ MODEL_SPECS: dict[str, ModelSpec] = {
 }
 
 
+def text_config(config: dict) -> dict:
+    """The text model's settings of a config.json: a vision-language folder's `text_config`, with the
+    folder's model_type and tie_word_embeddings and `language_model` True (where its tensors are);
+    any other config.json as it is."""
+    text = config.get(TEXT_CONFIG)
+    if not isinstance(text, dict):
+        return config
+    tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return {
+        **text,
+        "model_type": config.get("model_type"),
+        "tie_word_embeddings": tied,
+        "language_model": True,
+    }
+
+
 def model_spec(model_config: ModelConfig) -> ModelSpec:
     return MODEL_SPECS[model_config.name]
 
@@ -110,7 +129,7 @@ def hf_vocab_size(path: str | None) -> int | None:
     if not os.path.isfile(config_path):
         return None
     config = read_json("checkpoint.initial_load_path", config_path)
-    words = config.get("vocab_size") if isinstance(config, dict) else None
+    words = text_config(config).get("vocab_size") if isinstance(config, dict) else None
     if not isinstance(words, int) or words < 1:
         raise ConfigError(
             f"checkpoint.initial_load_path: {config_path} has no positive integer vocab_size; point it at a "

@@ -4,23 +4,29 @@
 Only the names differ, by a table: Gated DeltaNet's parameters keep transformers' names under
 `linear_attn` (ours: the block's `attention`), the gated attention's are Qwen3's (wq -> q_proj, ...,
 wq's rows already per head [query | gate] as transformers' q_proj). Which layers are which is
-config.json's `layer_types`, checked against the flavour's. The released vision-language folders
-(`model.language_model.*`) and Qwen3-Next's fused projections are not read here yet (issue 65)."""
+config.json's `layer_types`, checked against the flavour's. The released checkpoints are vision-language
+folders (model_type "qwen3_5", the text model's settings under `text_config`): their text model is read
+from `model.language_model.*`, the vision encoder (`model.visual.*`) and the MTP head (`mtp.*`) left out
+and named."""
 
 import torch
 
 from torchtitan.config.options import ConfigError
 from torchtitan.models.hf_convert import (
+    VISION,
     check_rope,
     decoder_config,
     expected_tensors,
     from_hf_names,
+    in_folder,
+    text_model,
     to_hf_names,
 )
 from torchtitan.models.qwen3.hf_convert import NAMES as QWEN3_NAMES
 from torchtitan.models.qwen3_5 import FULL_ATTENTION, LINEAR_ATTENTION, Qwen35ModelArgs
 
 MODEL_TYPE = "qwen3_5_text"
+ALSO_READS = ("qwen3_5",)  # the released vision-language folders
 
 # Gated DeltaNet's tensors, the same after "attention." (ours) and "linear_attn." (HF's).
 GATED_DELTANET = (
@@ -62,9 +68,9 @@ def to_hf(state_dict: dict[str, torch.Tensor], model_args: Qwen35ModelArgs) -> d
 
 
 def from_hf(state_dict: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
-    """HF Qwen3_5ForCausalLM's state dict -> our model's (the layout is the same); a tied model's
-    lm_head becomes a copy of the embeddings."""
-    return from_hf_names(state_dict, NAMES)
+    """HF Qwen3_5ForCausalLM's state dict (or a vision-language folder's text model) -> our model's (the
+    layout is the same); a tied model's lm_head becomes a copy of the embeddings."""
+    return from_hf_names(text_model(state_dict, config), NAMES)
 
 
 def _rope(model_args: Qwen35ModelArgs) -> dict:
@@ -98,18 +104,25 @@ def hf_config(
 
 
 def hf_tensors(config: dict, mtp_layers: int = 0) -> list[str]:
-    """Every tensor a Qwen3_5ForCausalLM folder of `config` holds (hf_reader.py refuses one missing)."""
+    """Every tensor a Qwen3_5ForCausalLM folder of `config` holds (hf_reader.py refuses one missing), or
+    of its text model in a vision-language folder."""
     names = expected_tensors(config, config["num_hidden_layers"], ())
     for layer, kind in enumerate(layer_types(config)):
         own = ATTENTION if kind == FULL_ATTENTION else tuple(f"linear_attn.{n}" for n in GATED_DELTANET)
         names += [f"model.layers.{layer}.{name}" for name in own]
-    return names
+    return in_folder(names, config)
+
+
+def skipped(config: dict, mtp_layers: int = 0) -> dict:
+    """A vision-language folder's vision encoder (its MTP head is every family's `SKIPPED`)."""
+    return VISION
 
 
 def check_flavor(config: dict, model_args: Qwen35ModelArgs, where: str) -> None:
     """The folder's RoPE (theta, the rotated share of the head) and layer types are the flavour's."""
     check_rope(config, {"rope_parameters": _rope(model_args)}, where)
-    factor = (config.get("rope_parameters") or {}).get("partial_rotary_factor", 0.25)
+    rope = config.get("rope_parameters") or {}
+    factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
     if factor != model_args.partial_rotary_factor:
         raise ConfigError(
             f"model.flavor: {where}'s config.json has partial_rotary_factor {factor}, the flavour "

@@ -84,4 +84,16 @@ qwen3_5_moe_configs = {
         shared_hidden_dim=1024,
         **_RELEASED,
     ),
+    # Qwen3-Next's size (its folders read as this family's: hf_convert.py), vocabulary 151,936.
+    "Next-80B-A3B": Qwen35MoeModelArgs(
+        dim=2048,
+        n_layers=48,
+        n_heads=16,
+        linear_n_value_heads=32,
+        num_experts=512,
+        top_k=10,
+        moe_hidden_dim=512,
+        shared_hidden_dim=512,
+        **_RELEASED,
+    ),
 }
