@@ -501,7 +501,7 @@ def test_a_vision_language_folder_loads_its_text_model(tmp_path, name):
     from torchtitan.checkpoint.hf_reader import HFReader, load_hf_weights
     from torchtitan.config.options import ConfigError
     from torchtitan.config.parser import parse_args
-    from torchtitan.models import MODEL_SPECS
+    from torchtitan.models import MODEL_SPECS, hf_vocab_size
 
     theirs = hf_moe_model() if name == "qwen3_5_moe" else hf_model(tied=True)
     theirs.save_pretrained(tmp_path / "text")
@@ -519,6 +519,7 @@ def test_a_vision_language_folder_loads_its_text_model(tmp_path, name):
         "multi-token prediction: 1 tensors (mtp.fc.weight)"
     )
     assert convert_hf_to_dcp.convert(str(folder), str(tmp_path / "dcp")).skipped == reader.skipped
+    assert hf_vocab_size(str(folder)) == ARGS.vocab_size  # model.vocab_size -1 takes text_config's
 
     other = "qwen3_5" if name == "qwen3_5_moe" else "qwen3_5_moe"
     with pytest.raises(ConfigError, match=f"^model.name: .* holds a {name} model .* not this job's {other}"):
