@@ -562,7 +562,7 @@ def test_a_qwen3_next_folder_loads_with_its_fused_projections(tmp_path):
 def test_a_run_starts_from_a_vision_language_folder(tmp_path, capsys):
     """train.py with checkpoint.initial_load_path a released-layout Qwen3.5-MoE folder (the debug model's
     4 layers, the tests' tiny job): its first loss is transformers' on the same batch within 1e-5, and
-    what it left out is named in one log line."""
+    what it left out is named in one log line. A job of the dense family refuses it: one line, exit 2."""
     import torch.distributed.checkpoint as dcp
     import torch.nn.functional as F
     from launch import ROOT, TINY_JOB, losses, run_train_in_process
@@ -598,3 +598,10 @@ def test_a_run_starts_from_a_vision_language_folder(tmp_path, capsys):
     assert abs(losses(tmp_path / "run")[1] - expected) <= 1e-5, (losses(tmp_path / "run"), expected)
     skipped = [line for line in capsys.readouterr().out.splitlines() if "Not loading tensors" in line]
     assert len(skipped) == 1 and "vision encoder: 2 tensors" in skipped[0], skipped
+
+    # The dense family's job refuses the folder in one line, exit 2, before a step.
+    dense = [*TINY_JOB, "--model.n_layers", "4", "--model.name", "qwen3_5", *run[:2]]
+    assert run_train_in_process(*dense, "--job.dump_folder", str(tmp_path / "dense")) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "holds a qwen3_5_moe model" in errors[0], errors
+    assert "not this job's qwen3_5 " in errors[0] and not (tmp_path / "dense" / "metrics.jsonl").exists()
