@@ -1,6 +1,7 @@
-"""Import a Hugging Face Llama, Qwen3, Qwen3-MoE or DeepSeek-V3 folder (config.json and safetensors,
-sharded with model.safetensors.index.json or not) as a DCP checkpoint of the model weights, to start a
-run from:
+"""Import a Hugging Face Llama, Qwen3, Qwen3-MoE, Qwen3.5 (text-only or the released vision-language
+folders: the text model), Qwen3.5-MoE (the same), Qwen3-Next or DeepSeek-V3 folder (config.json and
+safetensors, sharded with model.safetensors.index.json or not) as a DCP checkpoint of the model
+weights, to start a run from:
 
     python scripts/convert_hf_to_dcp.py path/to/Meta-Llama-3-8B outputs/llama3_8b_dcp
     ./run_llama_train.sh --model.flavor 8B --checkpoint.initial_load_path outputs/llama3_8b_dcp

@@ -6,10 +6,12 @@ of 4 stages (Interleaved1F1B) holds each kind of block alone. The CI runs two of
 (tests/test_parity.py); the compiled ones are the slow ones (on 2 CPU cores: compile + AC 267 s, TP 2 +
 compile 362 s, the others 6 to 35 s)."""
 
-from scripts.parity_layouts import AC_OP, BLOCK_CAUSAL, COMPILE, HF_TOKENIZER, Layout, deep, pp, tp
+from scripts.parity_layouts import AC_OP, BLOCK_CAUSAL, COMPILE, HF_TOKENIZER, Layout, deep, ep, pp, tp
 
 QWEN3_5 = deep(("--model.name", "qwen3_5", *HF_TOKENIZER))
 QWEN3_5_BLOCK = (*QWEN3_5, *BLOCK_CAUSAL)
+# The mixture-of-experts flavour (qwen3_5_moe: a shared expert with its sigmoid gate in every block).
+QWEN3_5_MOE = deep(("--model.name", "qwen3_5_moe", *HF_TOKENIZER))
 
 QWEN3_5_LAYOUTS = [
     Layout("Qwen3.5: FSDP 2", 2, 2, 4, model=QWEN3_5),
@@ -20,4 +22,7 @@ QWEN3_5_LAYOUTS = [
     Layout("Qwen3.5, block_causal: FSDP 2 x TP 2 + AC selective op", 4, 2, 4, tp(2) + AC_OP, QWEN3_5_BLOCK),
     Layout("Qwen3.5, block_causal: TP 2 + compile", 2, 4, 4, tp(2) + COMPILE, QWEN3_5_BLOCK),
     Layout("Qwen3.5, block_causal: PP 2, Interleaved1F1B", 2, 4, 4, pp(2, "Interleaved1F1B"), QWEN3_5_BLOCK),
+    Layout("Qwen3.5-MoE: EP 2", 2, 2, 4, ep(2), QWEN3_5_MOE),
+    Layout("Qwen3.5-MoE: EP 2 x TP 2", 4, 2, 4, ep(2) + tp(2), QWEN3_5_MOE),
+    Layout("Qwen3.5-MoE, block_causal: PP 2, 1F1B", 2, 4, 4, pp(2), (*QWEN3_5_MOE, *BLOCK_CAUSAL), 2),
 ]

@@ -577,7 +577,7 @@ CASES = [
         "[moe] option on a dense model, command line",
         args("--moe.bias_update_rate", "0.001"),
         "moe.bias_update_rate: llama3 has no experts, so [moe] options do nothing for it; remove it, or "
-        "use a mixture-of-experts model.name (qwen3_moe, deepseek_v3)",
+        "use a mixture-of-experts model.name (qwen3_moe, qwen3_5_moe, deepseek_v3)",
     ),
     Case(
         "[moe] option on a dense model, recipe (its default value)",

@@ -181,7 +181,10 @@ def test_help_lists_every_option_with_type_and_default():
     assert "(int, default: 10000)" in text
     assert "formerly --moe.aux_loss_coef, still read" in text
     # What it trains: every family, not "a Llama model".
-    assert "Llama model" not in text and "llama3, qwen3, qwen3_moe, qwen3_5, deepseek_v3 (model.name)" in text
+    assert (
+        "Llama model" not in text
+        and "llama3, qwen3, qwen3_moe, qwen3_5, qwen3_5_moe, deepseek_v3 (model.name)" in text
+    )
 
 
 def test_make_chat_data_help_says_its_whole_purpose():

@@ -207,7 +207,10 @@ def test_hf_to_dcp_of_an_unsupported_model_type_is_one_line(tmp_path, capsys):
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"x")
     assert convert_hf_to_dcp.main([str(tmp_path / "hf"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    supported = "(deepseek_v3, llama, qwen3, qwen3_5_text, qwen3_moe)"
+    supported = (
+        "(deepseek_v3, llama, qwen3, qwen3_5, qwen3_5_moe, qwen3_5_moe_text, qwen3_5_text, qwen3_moe, "
+        "qwen3_next)"
+    )
     assert f"has model_type 'mistral'; give a model of a supported type {supported}" in err
     assert err.count("\n") == 1, err
 

@@ -18,6 +18,7 @@ from torchtitan.config.options import MoEConfig
 from torchtitan.models import MODEL_SPECS
 from torchtitan.models.deepseek_v3 import deepseek_v3_configs
 from torchtitan.models.moe import GroupedExperts, MoE, grouped_mm
+from torchtitan.models.qwen3_5_moe import qwen3_5_moe_configs
 from torchtitan.models.qwen3_moe import moe_flops_per_token, qwen3_moe_configs
 from torchtitan.models.spec import flops_per_token
 
@@ -268,10 +269,12 @@ def test_bias_balancing_moves_against_the_load():
     assert "aux_loss" not in metrics and metrics["expert_load"] >= 1.0
 
 
-# Two sparse layers of each family's routing: Qwen3-MoE's softmax probabilities, DeepSeek-V3's sigmoid
-# scores (normalised over the experts for the loss) in groups.
+# Two sparse layers of each family's routing: Qwen3-MoE's softmax probabilities (Qwen3.5-MoE's, beside
+# its gated shared expert and Gated DeltaNet), DeepSeek-V3's sigmoid scores (normalised over the experts
+# for the loss) in groups.
 TWO_MOE_LAYERS = {
     "qwen3_moe": replace(ARGS, n_layers=2, mlp_only_layers=()),
+    "qwen3_5_moe": replace(qwen3_5_moe_configs["debugmodel"], n_layers=2, vocab_size=300, max_seq_len=32),
     "deepseek_v3": replace(ONE_MOE_BLOCK["deepseek_v3"], n_layers=2),
 }
 

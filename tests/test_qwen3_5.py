@@ -412,3 +412,269 @@ def test_layer_types_of_another_depth_are_refused_in_one_line(monkeypatch, tmp_p
     assert not (tmp_path / "dump").exists()
     with pytest.raises(ConfigError, match="^model.flavor: its layer_types holds 'mamba'; each is"):
         replace(listed, layer_types=("linear_attention", "mamba") * 2)
+
+
+# Qwen3.5-MoE (model.name qwen3_5_moe): ARGS' token mixers, a mixture of experts in every layer.
+
+MOE_SIZES = dict(num_experts=8, top_k=2, moe_hidden_dim=24, shared_hidden_dim=40)
+
+
+def moe_args(**changes: object) -> object:
+    from dataclasses import asdict
+
+    from torchtitan.models.qwen3_5_moe import Qwen35MoeModelArgs
+
+    return Qwen35MoeModelArgs(**{**asdict(ARGS), **MOE_SIZES, **changes})
+
+
+def hf_moe_model() -> torch.nn.Module:
+    """A random transformers Qwen3_5MoeForCausalLM of ARGS' shape with 8 experts of which each token
+    takes 2 and the gated shared expert, every parameter drawn (the router's too, so that the choices
+    are clear-cut, and the shared expert's gate, so that it scales)."""
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    dense = hf_config().to_dict()
+    for key in ("intermediate_size", "model_type", "architectures", "transformers_version"):
+        dense.pop(key, None)
+    config = Qwen3_5MoeTextConfig(
+        **{**dense, "tie_word_embeddings": False},
+        num_experts=MOE_SIZES["num_experts"],
+        num_experts_per_tok=MOE_SIZES["top_k"],
+        moe_intermediate_size=MOE_SIZES["moe_hidden_dim"],
+        shared_expert_intermediate_size=MOE_SIZES["shared_hidden_dim"],
+    )
+    torch.manual_seed(0)
+    model = Qwen3_5MoeForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            std = 1.0 if name.endswith("mlp.gate.weight") else 0.05 if p.ndim > 1 else 0.5
+            p.normal_(0.0, std)
+    return model
+
+
+def test_moe_from_hf_matches_transformers_and_round_trips_bit_exact(tmp_path):
+    """transformers' Qwen3_5MoeForCausalLM -> its folder (one Linear per expert) -> DCP -> ours: the same
+    logits within 1e-5; packed documents each equal transformers' on the document alone within 1e-4 (the
+    first three tokens too); -> HF again after 0 steps: the same files bit for bit, which transformers
+    loads as a Qwen3_5MoeForCausalLM with the same logits."""
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from scripts import convert_dcp_to_hf, convert_hf_to_dcp
+    from torchtitan.checkpoint.load import read_model_weights
+    from torchtitan.models import MODEL_SPECS
+
+    theirs = hf_moe_model()
+    theirs.save_pretrained(tmp_path / "hf")
+    files = load_file(tmp_path / "hf" / "model.safetensors")
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in files  # per expert on disk
+    convert_hf_to_dcp.convert(str(tmp_path / "hf"), str(tmp_path / "dcp"))
+    weights = read_model_weights(str(tmp_path / "dcp"))
+    spec = MODEL_SPECS["qwen3_5_moe"]
+    ours = spec.build(moe_args()).eval()
+    assert weights.keys() == ours.state_dict().keys()
+    ours.load_state_dict(weights)
+    packed = spec.build(moe_args(attn_mask_type="block_causal", eos_id=0)).eval()
+    packed.load_state_dict(weights)
+
+    tokens = torch.randint(1, ARGS.vocab_size, (2, LENGTH), generator=torch.Generator().manual_seed(1))
+    for row in range(2):
+        for _, end in spans(row):
+            tokens[row, end - 1] = 0  # each document ends with its EOS
+    with torch.no_grad():
+        assert (ours(tokens) - theirs(tokens).logits).abs().max() < 1e-5
+        out = packed(tokens)
+        for row in range(2):
+            for start, end in spans(row):
+                alone = theirs(tokens[row : row + 1, start:end]).logits[0]
+                first = min(3, end - start)
+                assert (out[row, start : start + first] - alone[:first]).abs().max() < 1e-4, (row, start)
+                assert (out[row, start:end] - alone).abs().max() < 1e-4, (row, start)
+
+    convert_dcp_to_hf.convert(str(tmp_path / "dcp"), str(tmp_path / "back"), moe_args(), name="qwen3_5_moe")
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert back.keys() == files.keys()
+    for name, w in files.items():
+        assert torch.equal(back[name], w), name
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (config["architectures"], config["model_type"]) == (["Qwen3_5MoeForCausalLM"], "qwen3_5_moe_text")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
+    assert type(exported).__name__ == "Qwen3_5MoeForCausalLM"
+    with torch.no_grad():
+        assert (ours(tokens) - exported(tokens).logits).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("flavor", ["35B-A3B", "122B-A10B", "397B-A17B", "Next-80B-A3B"])
+def test_moe_flavours_have_the_published_sizes(flavor):
+    """Built on the meta device with the released vocabulary (Qwen3.5's 248,320, Qwen3-Next's 151,936),
+    each flavour's text model has its name's parameters within 2% (the released folders add the vision
+    encoder and the MTP head) and its active parameters (top_k of the experts, as MFU counts them)
+    within 0.5B of the name's (Qwen3-Next's, 3.9B, within 1B)."""
+    from dataclasses import replace
+
+    from torchtitan.models import MODEL_SPECS
+    from torchtitan.models.qwen3_5 import qwen3_5_flops_per_token
+    from torchtitan.models.qwen3_5_moe import qwen3_5_moe_flops_per_token
+
+    spec = MODEL_SPECS["qwen3_5_moe"]
+    args = replace(spec.flavors[flavor], vocab_size=151936 if flavor.startswith("Next") else 248320)
+    with torch.device("meta"):
+        model = spec.build(args)
+    total = model.num_params()
+    active = (qwen3_5_moe_flops_per_token(args, total, 4096) - qwen3_5_flops_per_token(args, 0, 4096)) / 6
+    named_total, named_active = (float(x) * 1e9 for x in flavor.removeprefix("Next-")[:-1].split("B-A"))
+    assert abs(total - named_total) < 0.02 * named_total, total
+    assert abs(active - named_active) < (1e9 if flavor.startswith("Next") else 0.5e9), active
+
+
+# Hugging Face folders as the released checkpoints come: vision-language (Qwen3.5, Qwen3.5-MoE) and
+# Qwen3-Next's fused layout.
+
+
+def vision_language_folder(text_folder, folder, model_type: str):
+    """The released layout, written by hand from a text-only folder: config.json's settings under
+    `text_config`, the text model under model.language_model.*, beside a vision encoder
+    (model.visual.*) and a multi-token prediction head (mtp.*), which no model here has a place for."""
+    from safetensors.torch import load_file, save_file
+
+    text = json.loads((text_folder / "config.json").read_text())
+    tensors = {
+        name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name: w
+        for name, w in load_file(text_folder / "model.safetensors").items()
+    }
+    tensors["model.visual.patch_embed.proj.weight"] = torch.ones(8, 3, 2, 2)
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = torch.ones(24, 8)
+    tensors["mtp.fc.weight"] = torch.ones(ARGS.dim, 2 * ARGS.dim)
+    folder.mkdir()
+    save_file(tensors, folder / "model.safetensors")
+    config = {
+        "model_type": model_type,
+        "architectures": [f"{type_name(model_type)}ForConditionalGeneration"],
+        "text_config": text,
+        "vision_config": {"depth": 1, "hidden_size": 8},
+        "tie_word_embeddings": text.get("tie_word_embeddings", False),
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def type_name(model_type: str) -> str:
+    return {"qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe"}[model_type]
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe"])
+def test_a_vision_language_folder_loads_its_text_model(tmp_path, name):
+    """The released checkpoints' layout: checkpoint.initial_load_path reads the text model (the same
+    weights, bit for bit, as from the text-only folder), naming what it leaves out in one line; so does
+    scripts/convert_hf_to_dcp.py. A job of the other Qwen3.5 family refuses it in one line."""
+    from dataclasses import replace
+
+    from scripts import convert_hf_to_dcp
+    from torchtitan.checkpoint.hf_reader import HFReader, load_hf_weights
+    from torchtitan.config.options import ConfigError
+    from torchtitan.config.parser import parse_args
+    from torchtitan.models import MODEL_SPECS, hf_vocab_size
+
+    theirs = hf_moe_model() if name == "qwen3_5_moe" else hf_model(tied=True)
+    theirs.save_pretrained(tmp_path / "text")
+    folder = vision_language_folder(tmp_path / "text", tmp_path / "vlm", name)
+    args = moe_args() if name == "qwen3_5_moe" else replace(ARGS, tie_word_embeddings=True)
+    model = MODEL_SPECS[name].build(args)
+    job = parse_args(["--model.name", name])
+    reader = load_hf_weights(model, str(folder), job.model, args)
+    expected = HFReader(str(tmp_path / "text"), "hf_folder").read_all()
+    assert model.state_dict().keys() == expected.keys()
+    for key, w in model.state_dict().items():
+        assert torch.equal(w, expected[key]), key
+    assert reader.skipped_summary() == (
+        "vision encoder: 2 tensors (model.visual.blocks.0.attn.qkv.weight, ...); "
+        "multi-token prediction: 1 tensors (mtp.fc.weight)"
+    )
+    assert convert_hf_to_dcp.convert(str(folder), str(tmp_path / "dcp")).skipped == reader.skipped
+    assert hf_vocab_size(str(folder)) == ARGS.vocab_size  # model.vocab_size -1 takes text_config's
+
+    other = "qwen3_5" if name == "qwen3_5_moe" else "qwen3_5_moe"
+    with pytest.raises(ConfigError, match=f"^model.name: .* holds a {name} model .* not this job's {other}"):
+        HFReader(str(folder), "checkpoint.initial_load_path", other)
+
+
+def test_a_qwen3_next_folder_loads_with_its_fused_projections(tmp_path):
+    """A Qwen3NextForCausalLM folder (Gated DeltaNet's q, k, v, z and b, a fused per key head) read as
+    qwen3_5_moe: the same logits as transformers' Qwen3-Next within 1e-5."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    from scripts import convert_hf_to_dcp
+    from torchtitan.checkpoint.load import read_model_weights
+    from torchtitan.models import MODEL_SPECS
+
+    moe = hf_moe_model().config.to_dict()
+    keys = [k for k in moe if k.startswith(("linear_", "num_", "moe_", "shared_", "head_dim", "hidden_size"))]
+    config = Qwen3NextConfig(
+        **{k: moe[k] for k in keys},
+        vocab_size=ARGS.vocab_size,
+        rms_norm_eps=ARGS.norm_eps,
+        rope_parameters=hf_config().rope_parameters,
+        norm_topk_prob=True,
+    )
+    torch.manual_seed(0)
+    theirs = Qwen3NextForCausalLM(config).eval()
+    with torch.no_grad():
+        for param_name, p in theirs.named_parameters():
+            p.normal_(0.0, 1.0 if param_name.endswith("mlp.gate.weight") else 0.05 if p.ndim > 1 else 0.5)
+    theirs.save_pretrained(tmp_path / "next")
+    assert json.loads((tmp_path / "next" / "config.json").read_text())["model_type"] == "qwen3_next"
+    convert_hf_to_dcp.convert(str(tmp_path / "next"), str(tmp_path / "dcp"))
+    ours = MODEL_SPECS["qwen3_5_moe"].build(moe_args()).eval()
+    ours.load_state_dict(read_model_weights(str(tmp_path / "dcp")))
+    tokens = torch.randint(0, ARGS.vocab_size, (2, LENGTH), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (ours(tokens) - theirs(tokens).logits).abs().max() < 1e-5
+
+
+def test_a_run_starts_from_a_vision_language_folder(tmp_path, capsys):
+    """train.py with checkpoint.initial_load_path a released-layout Qwen3.5-MoE folder (the debug model's
+    4 layers, the tests' tiny job): its first loss is transformers' on the same batch within 1e-5, and
+    what it left out is named in one log line. A job of the dense family refuses it: one line, exit 2."""
+    import torch.distributed.checkpoint as dcp
+    import torch.nn.functional as F
+    from launch import ROOT, TINY_JOB, losses, run_train_in_process
+    from test_convert import random_model
+    from transformers import AutoModelForCausalLM
+
+    from torchtitan.checkpoint.hf_export import export_hf
+    from torchtitan.config.parser import parse_args
+    from torchtitan.datasets.build import build_training_data_loader
+    from torchtitan.datasets.layout import BatchLayout
+    from torchtitan.datasets.tokenizer import Tokenizer
+    from torchtitan.models import build_model_args
+
+    argv = [*TINY_JOB, "--training.steps", "1", "--model.name", "qwen3_5_moe", "--model.n_layers", "4"]
+    job = parse_args(argv)
+    tokenizer = Tokenizer(ROOT / "assets" / "tokenizer" / "kjv_bpe.tiktoken")
+    args = build_model_args(job, tokenizer.n_words)
+    dcp.save({"model": random_model(args, "qwen3_5_moe").state_dict()}, checkpoint_id=str(tmp_path / "dcp"))
+    export_hf(str(tmp_path / "dcp"), str(tmp_path / "ours"), args, name="qwen3_5_moe")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
+    theirs.save_pretrained(tmp_path / "text")
+    folder = vision_language_folder(tmp_path / "text", tmp_path / "vlm", "qwen3_5_moe")
+
+    layout = BatchLayout(job.training.batch_size)
+    batch = next(iter(build_training_data_loader(job.training, tokenizer, layout, args.vocab_size, False)))
+    with torch.no_grad():
+        logits = theirs(batch.inputs, use_cache=False).logits
+    expected = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten()).item()
+    capsys.readouterr()
+    run = ["--checkpoint.initial_load_path", str(folder), "--job.dump_folder", str(tmp_path / "run")]
+    code = run_train_in_process(*argv, *run)
+    assert code == 0
+    assert abs(losses(tmp_path / "run")[1] - expected) <= 1e-5, (losses(tmp_path / "run"), expected)
+    skipped = [line for line in capsys.readouterr().out.splitlines() if "Not loading tensors" in line]
+    assert len(skipped) == 1 and "vision encoder: 2 tensors" in skipped[0], skipped
+
+    # The dense family's job refuses the folder in one line, exit 2, before a step.
+    dense = [*TINY_JOB, "--model.n_layers", "4", "--model.name", "qwen3_5", *run[:2]]
+    assert run_train_in_process(*dense, "--job.dump_folder", str(tmp_path / "dense")) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "holds a qwen3_5_moe model" in errors[0], errors
+    assert "not this job's qwen3_5 " in errors[0] and not (tmp_path / "dense" / "metrics.jsonl").exists()

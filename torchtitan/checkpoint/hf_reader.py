@@ -42,7 +42,7 @@ from torchtitan.checkpoint.state import ModelState
 from torchtitan.config.options import ConfigError, ModelConfig
 from torchtitan.config.paths import check_file, read_json, shown
 from torchtitan.logging import logger
-from torchtitan.models import HF_CONFIG, MODEL_SPECS
+from torchtitan.models import HF_CONFIG, MODEL_SPECS, text_config
 from torchtitan.models.hf_convert import SKIPPED
 from torchtitan.models.spec import ModelArgs
 
@@ -55,17 +55,25 @@ _VOCAB_TENSORS = ("tok_embeddings.weight", "output.weight")
 DOWNLOAD = "download the folder again"
 
 
+def _folder_types(adapter: ModuleType) -> tuple[str, ...]:
+    """The model_types of the folders a family's adapter reads: its own, and those of `ALSO_READS`
+    (Qwen3.5's vision-language folders, Qwen3-Next's)."""
+    return (adapter.MODEL_TYPE, *getattr(adapter, "ALSO_READS", ()))
+
+
 def read_hf_config(option: str, folder: str, model_name: str | None) -> tuple[dict[str, Any], ModuleType]:
-    """config.json, with the keys every family's conversion needs, and the adapter of its model_type:
-    that of the family `model_name` (the job's), or any family's without one."""
+    """config.json (a vision-language folder's: its text model's, `text_config`), with the keys every
+    family's conversion needs, and the adapter of its model_type: that of the family `model_name` (the
+    job's), or any family's without one."""
     path = os.path.join(folder, HF_CONFIG)
     config = read_json(option, path)
     if not isinstance(config, dict):
         raise ConfigError(f"{option}: {shown(path)} holds no JSON object; give a Hugging Face model folder")
-    adapters = {spec.hf().MODEL_TYPE: spec.hf() for spec in MODEL_SPECS.values()}
+    adapters = {kind: spec.hf() for spec in MODEL_SPECS.values() for kind in _folder_types(spec.hf())}
     model_type = config.get("model_type")
-    job_type = MODEL_SPECS[model_name].hf().MODEL_TYPE if model_name is not None else model_type
-    if model_type != job_type:
+    job_types = _folder_types(MODEL_SPECS[model_name].hf()) if model_name is not None else (model_type,)
+    job_type = job_types[0]
+    if model_type not in job_types:
         raise ConfigError(
             f"model.name: {folder} holds a {model_type} model (its {HF_CONFIG}'s model_type), not this "
             f"job's {model_name} ({job_type}); set model.name to the folder's family"
@@ -75,6 +83,7 @@ def read_hf_config(option: str, folder: str, model_name: str | None) -> tuple[di
             f"{option}: {shown(path)} has model_type {model_type!r}; give a model of a supported type "
             f"({', '.join(sorted(adapters))})"
         )
+    config = text_config(config)
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if not isinstance(config.get(key), int):
             raise ConfigError(

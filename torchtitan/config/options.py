@@ -24,7 +24,7 @@ class ModelConfig:
     name: str = opt(
         "llama3",
         "Model family (docs/models.md); its spec is torchtitan/models/__init__.py's MODEL_SPECS entry",
-        choices=("llama2", "llama3", "qwen3", "qwen3_moe", "qwen3_5", "deepseek_v3"),
+        choices=("llama2", "llama3", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "deepseek_v3"),
     )
     flavor: str = opt(
         "debugmodel",

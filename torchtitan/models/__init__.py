@@ -12,10 +12,14 @@ from torchtitan.models.deepseek_v3 import deepseek_flops_per_token, deepseek_v3_
 from torchtitan.models.llama import llama2_configs, llama3_configs
 from torchtitan.models.qwen3 import qwen3_configs
 from torchtitan.models.qwen3_5 import qwen3_5_configs, qwen3_5_flops_per_token
+from torchtitan.models.qwen3_5_moe import qwen3_5_moe_configs, qwen3_5_moe_flops_per_token
 from torchtitan.models.qwen3_moe import moe_flops_per_token, qwen3_moe_configs
 from torchtitan.models.spec import ModelArgs, ModelSpec
 
 HF_CONFIG = "config.json"  # what makes a folder a Hugging Face model's
+# A vision-language folder (Qwen3.5's released checkpoints) holds its text model's settings under this
+# key of config.json, and the text model's tensors under "model.language_model." instead of "model.".
+TEXT_CONFIG = "text_config"
 
 
 def _llama(name: str, flavors: dict) -> ModelSpec:
@@ -59,6 +63,16 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         hf_architecture="Qwen3_5ForCausalLM",
         flops_per_token=qwen3_5_flops_per_token,
     ),
+    "qwen3_5_moe": ModelSpec(
+        name="qwen3_5_moe",
+        flavors=qwen3_5_moe_configs,
+        model="torchtitan.models.qwen3_5_moe.model:Transformer",
+        tp_plan="torchtitan.models.qwen3_5.tp_plan:qwen3_5_block_plan",
+        hf_adapter="torchtitan.models.qwen3_5_moe.hf_convert",
+        hf_architecture="Qwen3_5MoeForCausalLM",
+        flops_per_token=qwen3_5_moe_flops_per_token,
+        moe=True,
+    ),
     "deepseek_v3": ModelSpec(
         name="deepseek_v3",
         flavors=deepseek_v3_configs,
@@ -72,6 +86,22 @@ MODEL_SPECS: dict[str, ModelSpec] = {
         mtp=True,
     ),
 }
+
+
+def text_config(config: dict) -> dict:
+    """The text model's settings of a config.json: a vision-language folder's `text_config`, with the
+    folder's model_type and tie_word_embeddings and `language_model` True (where its tensors are);
+    any other config.json as it is."""
+    text = config.get(TEXT_CONFIG)
+    if not isinstance(text, dict):
+        return config
+    tied = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return {
+        **text,
+        "model_type": config.get("model_type"),
+        "tie_word_embeddings": tied,
+        "language_model": True,
+    }
 
 
 def model_spec(model_config: ModelConfig) -> ModelSpec:
@@ -99,7 +129,7 @@ def hf_vocab_size(path: str | None) -> int | None:
     if not os.path.isfile(config_path):
         return None
     config = read_json("checkpoint.initial_load_path", config_path)
-    words = config.get("vocab_size") if isinstance(config, dict) else None
+    words = text_config(config).get("vocab_size") if isinstance(config, dict) else None
     if not isinstance(words, int) or words < 1:
         raise ConfigError(
             f"checkpoint.initial_load_path: {config_path} has no positive integer vocab_size; point it at a "

@@ -24,6 +24,30 @@ SKIPPED = {
     re.compile(r".+\.rotary_emb\.inv_freq"): "RoPE frequencies, which the model computes",
 }
 
+# A vision-language folder's text model (config.json's `language_model`: models/__init__.py's text_config)
+# under this prefix instead of "model.", its vision encoder under VISION (left out).
+LANGUAGE_MODEL = "model.language_model."
+VISION = {re.compile(r"model\.visual\..+"): "vision encoder"}
+
+
+def in_folder(names: list[str], config: dict) -> list[str]:
+    """A text model's tensor names as the folder of `config` holds them (a vision-language folder: the
+    text model's under LANGUAGE_MODEL)."""
+    if not config.get("language_model"):
+        return names
+    return [LANGUAGE_MODEL + n.removeprefix("model.") if n.startswith("model.") else n for n in names]
+
+
+def text_model(state_dict: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """The folder's tensors (of `config`) under the text model's names: `in_folder` undone."""
+    if not config.get("language_model"):
+        return state_dict
+    return {
+        "model." + n.removeprefix(LANGUAGE_MODEL) if n.startswith(LANGUAGE_MODEL) else n: w
+        for n, w in state_dict.items()
+    }
+
+
 # (our parameter name, its tensor in the source layout) -> the tensor in the target layout.
 RowOrder = Callable[[str, torch.Tensor], torch.Tensor]
 

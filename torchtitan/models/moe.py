@@ -2,7 +2,8 @@
 
 A router scores each token against every expert (in float32, whatever the parameter dtype), the
 top-k experts (chosen on the scores plus a balancing bias) each run a SwiGLU on it, and the token's
-output is their outputs weighted by its scores for them, plus an optional always-on shared expert.
+output is their outputs weighted by its scores for them, plus an optional always-on shared expert
+(optionally scaled per token by a sigmoid gate: Qwen2-MoE's, Qwen3-Next's and Qwen3.5's).
 
 Three ways to keep the experts evenly loaded, each optional (torchtitan/objective/load_balance.py runs them):
 - the auxiliary loss of the Switch Transformer as transformers' Qwen3-MoE computes it: each forward
@@ -138,7 +139,8 @@ class MoE(nn.Module):
     it (DeepSeek-V3's routed_scaling_factor). `n_group` > 1: DeepSeek-V3's group-limited routing, the
     experts in `n_group` equal groups of which a token chooses in the `topk_group` best only, a group
     scored by the sum of its two best (biased) scores: at most `topk_group` nodes' experts per token
-    when each node holds whole groups."""
+    when each node holds whole groups. `shared_gate`: the shared expert's output times
+    sigmoid(`shared_expert_gate`(x)), a per-token scalar (Qwen3.5-MoE's, Qwen3-Next's)."""
 
     def __init__(
         self,
@@ -152,6 +154,7 @@ class MoE(nn.Module):
         n_group: int = 1,
         topk_group: int = 1,
         route_scale: float = 1.0,
+        shared_gate: bool = False,
     ):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
@@ -160,6 +163,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.experts = GroupedExperts(dim, hidden_dim, num_experts)
         self.shared_expert = FeedForward(dim, shared_hidden_dim) if shared_hidden_dim else None
+        self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if shared_gate else None
         # DeepSeek-V3's balancing bias, and the tokens each expert took since the last update.
         self.register_buffer("expert_bias", torch.zeros(num_experts), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
@@ -178,6 +182,8 @@ class MoE(nn.Module):
         self.experts.init_weights(init_std)
         if self.shared_expert is not None:
             self.shared_expert.init_weights(init_std)
+        if self.shared_expert_gate is not None:
+            trunc_normal_(self.shared_expert_gate.weight, std=0.02)
         with torch.no_grad():
             self.expert_bias.zero_()
             self.tokens_per_expert.zero_()
@@ -219,7 +225,10 @@ class MoE(nn.Module):
         # device (no scatter-add).
         out = (out.view(-1, self.top_k, dim) * weights.to(out.dtype).unsqueeze(-1)).sum(1)
         if self.shared_expert is not None:
-            out = out + self.shared_expert(tokens)
+            shared = self.shared_expert(tokens)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
+            out = out + shared
         return out.view(bs, seqlen, dim)
 
     def sequence_statistics(

@@ -5,19 +5,23 @@ Only the names differ, by a table: Gated DeltaNet's parameters keep transformers
 `linear_attn` (ours: the block's `attention`), the gated attention's are Qwen3's (wq -> q_proj, ...,
 wq's rows already per head [query | gate] as transformers' q_proj); in_proj_qkv's rows and the conv's
 channels are reordered, grouped by key head in ours (gated_deltanet.py's `grouped_by_key_head`: how
-tensor parallelism splits them by head). Which layers are which is
-config.json's `layer_types`, checked against the flavour's. The released vision-language folders
-(`model.language_model.*`) and Qwen3-Next's fused projections are not read here yet (issue 65)."""
+tensor parallelism splits them by head). Which layers are which is config.json's `layer_types`, checked
+against the flavour's. The released checkpoints are vision-language folders (model_type "qwen3_5", the
+text model's settings under `text_config`): their text model is read from `model.language_model.*`, the
+vision encoder (`model.visual.*`) and the MTP head (`mtp.*`) left out and named."""
 
 import torch
 
 from torchtitan.config.options import ConfigError
 from torchtitan.models.hf_convert import (
+    VISION,
     RowOrder,
     check_rope,
     decoder_config,
     expected_tensors,
     from_hf_names,
+    in_folder,
+    text_model,
     to_hf_names,
 )
 from torchtitan.models.qwen3.hf_convert import NAMES as QWEN3_NAMES
@@ -25,6 +29,7 @@ from torchtitan.models.qwen3_5 import FULL_ATTENTION, LINEAR_ATTENTION, Qwen35Mo
 from torchtitan.models.qwen3_5.gated_deltanet import grouped_by_key_head
 
 MODEL_TYPE = "qwen3_5_text"
+ALSO_READS = ("qwen3_5",)  # the released vision-language folders
 
 # Gated DeltaNet's tensors, the same after "attention." (ours) and "linear_attn." (HF's).
 GATED_DELTANET = (
@@ -71,6 +76,13 @@ def key_head_rows(n_key_heads: int, key_dim: int, inverse: bool) -> RowOrder:
     return rows
 
 
+def folder_rows(config: dict) -> RowOrder:
+    """HF's row order to ours for a folder of `config` (transformers' defaults where it leaves them out)."""
+    return key_head_rows(
+        config.get("linear_num_key_heads", 16), config.get("linear_key_head_dim", 128), False
+    )
+
+
 def to_hf(state_dict: dict[str, torch.Tensor], model_args: Qwen35ModelArgs) -> dict[str, torch.Tensor]:
     """Our model's state dict -> HF Qwen3_5ForCausalLM's."""
     rows = key_head_rows(model_args.linear_n_key_heads, model_args.linear_key_head_dim, inverse=True)
@@ -78,12 +90,9 @@ def to_hf(state_dict: dict[str, torch.Tensor], model_args: Qwen35ModelArgs) -> d
 
 
 def from_hf(state_dict: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
-    """HF Qwen3_5ForCausalLM's state dict -> our model's; a tied model's lm_head becomes a copy of the
-    embeddings."""
-    # transformers' defaults where config.json leaves them out
-    n_key_heads, key_dim = config.get("linear_num_key_heads", 16), config.get("linear_key_head_dim", 128)
-    rows = key_head_rows(n_key_heads, key_dim, inverse=False)
-    return from_hf_names(state_dict, NAMES, rows)
+    """HF Qwen3_5ForCausalLM's state dict (or a vision-language folder's text model) -> our model's; a
+    tied model's lm_head becomes a copy of the embeddings."""
+    return from_hf_names(text_model(state_dict, config), NAMES, folder_rows(config))
 
 
 def _rope(model_args: Qwen35ModelArgs) -> dict:
@@ -117,18 +126,25 @@ def hf_config(
 
 
 def hf_tensors(config: dict, mtp_layers: int = 0) -> list[str]:
-    """Every tensor a Qwen3_5ForCausalLM folder of `config` holds (hf_reader.py refuses one missing)."""
+    """Every tensor a Qwen3_5ForCausalLM folder of `config` holds (hf_reader.py refuses one missing), or
+    of its text model in a vision-language folder."""
     names = expected_tensors(config, config["num_hidden_layers"], ())
     for layer, kind in enumerate(layer_types(config)):
         own = ATTENTION if kind == FULL_ATTENTION else tuple(f"linear_attn.{n}" for n in GATED_DELTANET)
         names += [f"model.layers.{layer}.{name}" for name in own]
-    return names
+    return in_folder(names, config)
+
+
+def skipped(config: dict, mtp_layers: int = 0) -> dict:
+    """A vision-language folder's vision encoder (its MTP head is every family's `SKIPPED`)."""
+    return VISION
 
 
 def check_flavor(config: dict, model_args: Qwen35ModelArgs, where: str) -> None:
     """The folder's RoPE (theta, the rotated share of the head) and layer types are the flavour's."""
     check_rope(config, {"rope_parameters": _rope(model_args)}, where)
-    factor = (config.get("rope_parameters") or {}).get("partial_rotary_factor", 0.25)
+    rope = config.get("rope_parameters") or {}
+    factor = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
     if factor != model_args.partial_rotary_factor:
         raise ConfigError(
             f"model.flavor: {where}'s config.json has partial_rotary_factor {factor}, the flavour "

@@ -15,12 +15,14 @@ from torchtitan.models.qwen3_5.gated_deltanet import GatedDeltaNet
 
 class Block(decoder.TransformerBlock):
     """The shared pre-norm block with Qwen3.5's mixer of its layer (`attention`: GatedDeltaNet or
-    GatedAttention) and zero-centred norms."""
+    GatedAttention) and zero-centred norms; its feed-forward a dense SwiGLU unless given (Qwen3.5-MoE's
+    mixture of experts)."""
 
-    def __init__(self, layer_id: int, model_args: Qwen35ModelArgs):
+    def __init__(self, layer_id: int, model_args: Qwen35ModelArgs, feed_forward: nn.Module | None = None):
         linear = model_args.layer_type(layer_id) == LINEAR_ATTENTION
         mixer = GatedDeltaNet(model_args) if linear else GatedAttention(model_args)
-        feed_forward = decoder.FeedForward(model_args.dim, model_args.hidden_dim)
+        if feed_forward is None:
+            feed_forward = decoder.FeedForward(model_args.dim, model_args.hidden_dim)
         super().__init__(layer_id, model_args, mixer, feed_forward)
         self.attention_norm = ZeroCentredRMSNorm(model_args.dim, eps=model_args.norm_eps)
         self.ffn_norm = ZeroCentredRMSNorm(model_args.dim, eps=model_args.norm_eps)
