@@ -6,7 +6,7 @@ context_parallel_deltanet.py), its attention layers gather keys and values as ev
 Gated DeltaNet splits by key head (its conv's channels, decay and per-head norm with them); a pipeline
 of 4 stages (Interleaved1F1B) holds each kind of block alone. The CI runs FSDP 2 x TP 2 and a PP 2 x
 CP 2 resuming it (tests/test_parity.py); the compiled ones are the slow ones (on 2 CPU cores: compile +
-AC 267 s, TP 2 + compile 362 s, the others 6 to 35 s; CP 2 8 to 11 s, CP 2 x FSDP 2 14 s, x TP 2 22 s)."""
+AC 267 s, TP 2 + compile 362 s, CP 2 + compile 250 s, the others 6 to 35 s)."""
 
 from scripts.parity_layouts import AC_OP, BLOCK_CAUSAL, COMPILE, HF_TOKENIZER, Layout, cp, deep, pp, tp
 
@@ -26,4 +26,12 @@ QWEN3_5_LAYOUTS = [
     Layout("Qwen3.5, block_causal: CP 2", 2, 4, 4, cp(2), QWEN3_5_BLOCK),
     Layout("Qwen3.5, block_causal: CP 2 x FSDP 2", 4, 2, 4, cp(2), QWEN3_5_BLOCK),
     Layout("Qwen3.5, block_causal: CP 2 x TP 2", 4, 4, 4, cp(2) + tp(2), QWEN3_5_BLOCK),
+    Layout(
+        "Qwen3.5, block_causal: CP 2 + compile + AC selective op",
+        2,
+        4,
+        4,
+        cp(2) + COMPILE + AC_OP,
+        QWEN3_5_BLOCK,
+    ),
 ]
