@@ -7,7 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchtitan.models.qwen3_5.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from torchtitan.models.qwen3_5.delta_rule import (
+    chain_states,
+    chunk_gated_delta_rule,
+    piece_maps,
+    recurrent_gated_delta_rule,
+)
 
 B, H, DK, DV = 2, 3, 8, 16
 
@@ -123,4 +128,51 @@ def test_resets_have_the_recurrences_gradients_and_no_nan():
         assert all(torch.isfinite(x).all() for x in grads[-1])
         assert (raw_g.grad[:, STARTS] == 0).all()
     for got, expected in zip(*grads):
+        assert (got - expected).abs().max() < 1e-10
+
+
+# Pieces of a 150-token row (no length a multiple of 64), with resets inside pieces and a piece (at 100)
+# starting at a document's first token.
+PIECE_BOUNDS = [[0, 150], [0, 75, 150], [0, 37, 100, 101, 150], [0, 64, 129, 150]]
+
+
+def chained(q, k, v, g, beta, bounds):  # noqa: ANN001, ANN201
+    """Each piece from a zero state (piece_maps), chained (chain_states) and corrected: the whole row's
+    outputs and last state."""
+    pieces = [
+        piece_maps(*(x[:, a:e] for x in (q, k, v, g, beta)), chunk_size=16)
+        for a, e in zip(bounds, bounds[1:])
+    ]
+    starts = chain_states(
+        torch.stack([p[2] for p in pieces], dim=1), torch.stack([p[3] for p in pieces], dim=1)
+    )
+    outs = [
+        o0 + torch.einsum("bthk,bhkv->bthv", a_out, starts[:, i])
+        for i, (o0, a_out, _, _) in enumerate(pieces)
+    ]
+    last = pieces[-1][3] @ starts[:, -1] + pieces[-1][2]
+    return torch.cat(outs, dim=1), last
+
+
+@pytest.mark.parametrize("bounds", PIECE_BOUNDS)
+def test_pieces_from_zero_states_chained_equal_the_whole(bounds):
+    """Context parallelism's form: any split into pieces, each from a zero state and corrected by the
+    chained states, equals the whole row (Hv > Hk: one key head repeated to the three value heads; resets
+    at 10, 40, 64, 100, 127) within 1e-12, outputs and last state; the gradients through the maps equal
+    the whole's within 1e-10."""
+    q, k, v, raw_g, beta = inputs(150)
+    q, k = q[:, :, :1].expand(-1, -1, H, -1), k[:, :, :1].expand(-1, -1, H, -1)
+    results = []
+    for run in (chunk_gated_delta_rule, lambda *x: chained(*x, bounds)):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, raw_g, beta)]
+        starts = torch.zeros(150, dtype=torch.bool)
+        starts[STARTS[1:]] = True
+        g = leaves[3].masked_fill(starts[None, :, None], float("-inf"))
+        out, state = run(leaves[0], leaves[1], leaves[2], g, leaves[4])
+        (out.square().sum() + state.square().sum()).backward()
+        results.append((out, state, [x.grad for x in leaves]))
+    (out, state, grads), (whole, whole_state, whole_grads) = results[1], results[0]
+    assert (out - whole).abs().max() < 1e-12
+    assert (state - whole_state).abs().max() < 1e-12
+    for got, expected in zip(grads, whole_grads):
         assert (got - expected).abs().max() < 1e-10

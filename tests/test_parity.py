@@ -136,10 +136,13 @@ def test_layout_matches_single_process(layout, reference_run, tmp_path):
 # Qwen3.5 (issue 65), packed documents attending within themselves: Gated DeltaNet split by key head
 # under TP (the conv's channels, the decay and the per-head norm with them), its state and conv window
 # restarting at each document, its gated attention as Qwen3's, with FSDP and selective AC; a
-# pipeline of one block a stage (3 Gated DeltaNet stages and an attention one), which resumes the TP
-# run's checkpoint of step 5 (resharded across layouts: model, optimizer, data stream) and continues it.
-# FSDP 2, TP 2, PP 2 1F1B on their own and compile + AC (a cold compile of the chunked delta rule, ~4
-# minutes on 2 cores): scripts/parity_matrix.py.
+# pipeline of one block a stage (3 Gated DeltaNet stages and an attention one) over 2 context-parallel
+# ranks (Gated DeltaNet's pieces from zero states, their states chained and conv halos gathered over
+# cp, through the pipeline's micro-batches), which resumes the TP run's checkpoint of step 5 (resharded
+# across layouts: model, optimizer, data stream) and continues it. FSDP 2, TP 2, PP 2 1F1B, CP 2 (x
+# FSDP 2, x TP 2) on their own and compile + AC (a cold compile of the chunked delta rule, ~4 minutes
+# on 2 cores): scripts/parity_matrix.py; CP's pieces against one process, values and gradients:
+# test_qwen3_5.py.
 QWEN3_5_SAVE_5 = ("--checkpoint.enable_checkpoint", "true", "--checkpoint.interval", "5")
 QWEN3_5_TP = Layout(
     "Qwen3.5, block_causal: FSDP 2 x TP 2 + AC selective op",
@@ -150,11 +153,11 @@ QWEN3_5_TP = Layout(
     QWEN3_5_BLOCK,
 )
 QWEN3_5_PP = Layout(
-    "Qwen3.5, block_causal: PP 2, Interleaved1F1B, from step 5",
-    2,
+    "Qwen3.5, block_causal: PP 2 x CP 2, Interleaved1F1B, from step 5",
     4,
     4,
-    pp(2, "Interleaved1F1B") + QWEN3_5_SAVE_5,
+    4,
+    pp(2, "Interleaved1F1B") + cp(2) + QWEN3_5_SAVE_5,
     QWEN3_5_BLOCK,
 )
 

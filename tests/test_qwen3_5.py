@@ -178,6 +178,92 @@ def test_gated_deltanet_packed_documents_are_exact_with_gradients(float64):
         assert (packed_grads[name] - param.grad).abs().max() < 1e-10, name
 
 
+# Context parallelism, two ranks faked on one process: a thread each, the all-gather a barrier.
+
+
+class FakeCpGroup:
+    """Rank `rank` of `size` ranks run as threads: the cp mesh's size and rank, and the group that
+    context_parallel.py's all-gather is given."""
+
+    def __init__(self, rank: int, size: int, exchange: dict, barrier: object) -> None:
+        self.rank, self._size, self.exchange, self.barrier = rank, size, exchange, barrier
+
+    def size(self) -> int:
+        return self._size
+
+    def get_local_rank(self) -> int:
+        return self.rank
+
+
+def fake_all_gather_single(x: torch.Tensor, gather_dim: int, group: FakeCpGroup) -> torch.Tensor:
+    """Every rank's x concatenated in rank order, autograd through the threads' joint graph."""
+    group.exchange[group.rank] = x
+    group.barrier.wait()
+    gathered = torch.cat([group.exchange[r] for r in range(group.size())], dim=gather_dim)
+    group.barrier.wait()  # everyone read before the next gather overwrites
+    return gathered
+
+
+# Two rows of 160 tokens: a document starting at a piece's first token (70; pieces of 5 tokens), one
+# shorter than the conv (2), documents across pieces and ranks.
+CP_DOCUMENTS = [[70, 2, 78, 10], [3, 100, 57]]
+
+
+@pytest.mark.parametrize("block_causal", [False, True])
+def test_gated_deltanet_under_context_parallelism_equals_one_rank(float64, monkeypatch, block_causal):
+    """Context parallelism's Gated DeltaNet (parallelisms/context_parallel_deltanet.py) on 2 faked ranks:
+    each rank's pieces from zero states, the states chained and the conv's halo gathered, equal the layer
+    on the whole sequence within 1e-12 in float64, and the gradients (input and parameters, summed over
+    the ranks) within 1e-10. Causal: head-tail chunks (rank 0 holds chunks 0 and 3); block_causal: 8
+    pieces of 5 tokens per chunk (MIN_PIECE lowered) dealt out by work, out of order."""
+    import copy
+    import threading
+    import types
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torchtitan.parallelisms import context_parallel
+    from torchtitan.parallelisms.context_parallel_deltanet import ContextParallelDeltaNet
+
+    monkeypatch.setattr(
+        context_parallel, "funcol", types.SimpleNamespace(all_gather_single=fake_all_gather_single)
+    )
+    monkeypatch.setattr(context_parallel, "MIN_PIECE", 4)
+    cp, length = 2, 160
+    ids = torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in CP_DOCUMENTS])
+    layer = randomise_(GatedDeltaNet(ARGS))
+    x = hidden(2, length).requires_grad_()
+    weights = hidden(2, length, seed=2)
+    whole = layer(x, documents=Documents(ids) if block_causal else None)
+    (whole * weights).sum().backward()
+    expected_grads = {"x": x.grad.clone(), **{n: p.grad.clone() for n, p in layer.named_parameters()}}
+    x.grad = None
+    exchange, barrier = {}, threading.Barrier(cp)
+    ranks = [copy.deepcopy(layer) for _ in range(cp)]
+    for rank, module in enumerate(ranks):
+        module.zero_grad()
+        module.sequence = ContextParallelDeltaNet(FakeCpGroup(rank, cp, exchange, barrier))
+    layouts = context_parallel.sequence_layouts(length, cp, ids if block_causal else None)
+    assert block_causal == (layouts[0][0] == 5)
+
+    def run(rank: int) -> torch.Tensor:
+        positions = context_parallel.rows_positions(layouts, rank).expand(2, -1)
+        local = x.gather(1, positions[..., None].expand(-1, -1, ARGS.dim))
+        return ranks[rank](local, documents=Documents(ids) if block_causal else None)
+
+    with ThreadPoolExecutor(cp) as pool:
+        outs = list(pool.map(run, range(cp)))
+    out = torch.zeros_like(whole)
+    for rank, local in enumerate(outs):
+        positions = context_parallel.rows_positions(layouts, rank).expand(2, -1)
+        out = out.scatter(1, positions[..., None].expand(-1, -1, ARGS.dim), local)
+    assert (out - whole).abs().max() < 1e-12
+    (out * weights).sum().backward()
+    assert (x.grad - expected_grads.pop("x")).abs().max() < 1e-10
+    for name, expected in expected_grads.items():
+        got = sum(module.get_parameter(name).grad for module in ranks)
+        assert (got - expected).abs().max() < 1e-10, name
+
+
 # Gated attention
 
 
@@ -344,16 +430,21 @@ def test_flops_count_the_delta_rule_and_only_the_attention_layers_scores():
     assert qwen3_5_flops_per_token(every_layer_attention, 1000, 2048) == flops_per_token(1000, 4, 4, 64, 2048)
 
 
-def test_context_parallel_is_refused_before_any_worker():
-    """Not written yet for Gated DeltaNet: context parallelism would start each rank's share of a
-    sequence from a zero state, silently. The preflight's rules refuse it in one line."""
+def test_context_parallel_runs_or_refuses_chunks_shorter_than_the_conv_halo():
+    """Context parallelism chains Gated DeltaNet's pieces (the preflight lets it through), but a chunk of
+    seq_len / (2 x CP) tokens shorter than the conv's 3-token halo cannot be split: one line, before
+    any worker."""
     from torchtitan.config.options import ConfigError
     from torchtitan.config.parser import parse_args
     from torchtitan.config_rules import check_layout
 
-    job = parse_args(["--model.name", "qwen3_5", "--parallelism.context_parallel_degree", "2"])
-    with pytest.raises(ConfigError, match="parallelism.context_parallel_degree: qwen3_5's linear-attention"):
-        check_layout(job, world_size=2)
+    cp_2 = ["--model.name", "qwen3_5", "--parallelism.context_parallel_degree", "2"]
+    check_layout(parse_args(cp_2), world_size=2)
+    check_layout(parse_args([*cp_2, "--training.seq_len", "12"]), world_size=2)
+    with pytest.raises(
+        ConfigError, match="parallelism.context_parallel_degree: 2 cuts training.seq_len 8 into"
+    ):
+        check_layout(parse_args([*cp_2, "--training.seq_len", "8"]), world_size=2)
 
 
 def test_tensor_parallel_splits_whole_key_heads_or_is_refused():

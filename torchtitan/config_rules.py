@@ -99,15 +99,16 @@ def check_parallelism(job_config: JobConfig, parallel_dims: ParallelDims, model_
 
 
 def check_context_parallel(job_config: JobConfig, parallel_dims: ParallelDims, model_args: ModelArgs) -> None:
-    """What context parallelism cannot run with yet: linear attention (Gated DeltaNet: each rank would
-    start its share of a sequence from a zero state, silently); multi-head latent attention (a `kv_lora_rank`:
-    deepseek_v3) with TP, whose sequence-parallel latents would be gathered over tp inside wkv_b and
-    over cp before it, in two orders (its latent gather, parallelisms/context_parallel.py, runs on the
-    cp ranks' whole latents)."""
-    if parallel_dims.cp_enabled and getattr(model_args, "linear_n_value_heads", None) is not None:
+    """What context parallelism cannot split: Gated DeltaNet's pieces shorter than its conv's halo (the
+    previous piece's last kernel - 1 inputs; the shortest piece is a chunk, seq_len / (2 x CP)); latent
+    attention (deepseek_v3) with TP, whose sequence-parallel latents would be gathered over tp inside
+    wkv_b and over cp before it, in two orders (parallelisms/context_parallel.py's LatentGather)."""
+    cp, halo = parallel_dims.cp, getattr(model_args, "linear_conv_kernel", 1) - 1
+    if parallel_dims.cp_enabled and job_config.training.seq_len // (2 * cp) < halo:
         raise ConfigError(
-            f"parallelism.context_parallel_degree: {job_config.model.name}'s linear-attention (Gated "
-            "DeltaNet) layers do not chain their state across context-parallel ranks yet (issue 65); use 1"
+            f"parallelism.context_parallel_degree: {cp} cuts training.seq_len {job_config.training.seq_len} "
+            f"into chunks of fewer than the {halo} tokens {job_config.model.name}'s linear-attention conv "
+            f"reads back; use seq_len >= {2 * cp * halo} or a lower degree"
         )
     latent_attention = getattr(model_args, "kv_lora_rank", None) is not None
     if parallel_dims.cp_enabled and parallel_dims.tp_enabled and latent_attention:

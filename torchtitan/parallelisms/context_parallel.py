@@ -353,7 +353,9 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, gather_latents: bool = True)
     (the `freqs_cis` argument: the table, or with block_causal those of every token of the whole
     sequences) are indexed by the rank's positions, from the length of its input and the documents.
     An attention with a `latent_keys` hook (MLA) gathers its latents rather than its heads' keys and
-    values, unless `gather_latents` is off (the benchmark's and the tests' comparison)."""
+    values, unless `gather_latents` is off (the benchmark's and the tests' comparison). A linear
+    attention (a `sequence` module: Gated DeltaNet) runs its pieces and chains their states instead
+    (context_parallel_deltanet.py)."""
     cp_degree, cp_rank = cp_mesh.size(), cp_mesh.get_local_rank()
 
     def rotate_by_true_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
@@ -375,6 +377,13 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, gather_latents: bool = True)
     model.prepare_documents = prepare_documents
     for parent, name, _ in model.blocks():  # multi-token prediction's blocks too
         attention = parent.get_submodule(name).attention
+        if hasattr(attention, "sequence"):  # linear attention (Gated DeltaNet): its pieces chained
+            from torchtitan.parallelisms.context_parallel_deltanet import (
+                ContextParallelDeltaNet,
+            )  # imports this
+
+            attention.sequence = ContextParallelDeltaNet(cp_mesh)
+            continue
         # Multi-head latent attention gathers its latents (LatentGather), its heads expanded after.
         latent = gather_latents and hasattr(attention, "latent_keys")
         if latent:

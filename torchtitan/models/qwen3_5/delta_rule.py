@@ -99,3 +99,44 @@ def chunk_gated_delta_rule(
         state = reached[:, :, c, -1:, None] * state + carried.transpose(-1, -2) @ written
     out = torch.stack(outputs, dim=2).reshape(batch, heads, chunks * chunk_size, dv)
     return out[:, :, :length].transpose(1, 2), state
+
+
+def piece_maps(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk_size: int = DELTA_RULE_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A piece of a sequence run from a zero state, and the linear maps by which a starting state S
+    (dk x dv per head) enters it: its outputs are O0 + A_out S and its last state S0_end + M S, so a
+    piece computed before its starting state is known (context parallelism: each rank's pieces at once)
+    is corrected after. Returns O0 (B, T, H, dv), A_out (B, T, H, dk), S0_end (B, H, dk, dv) and
+    M (B, H, dk, dk).
+
+    Why the maps come out of the chunked form: within a chunk the writes are U = u - w S and the output
+    and last state are linear in S and U, so every chunk's output and last state are affine in the
+    piece's starting state, and composed over the chunks they stay so. A column of the state that no
+    token writes (v = 0, so u = 0) carries only the homogeneous part: run with the value widened by dk
+    zero columns and the starting state [0 | I], the extra output columns are A_out and the extra state
+    columns M, exactly (the same operations on those columns as S's)."""
+    batch, _, heads, dk = k.shape
+    dv = v.shape[-1]
+    widened = torch.cat([v, v.new_zeros(*v.shape[:-1], dk)], dim=-1)
+    eye = torch.eye(dk, dtype=v.dtype, device=v.device).expand(batch, heads, dk, dk)
+    start = torch.cat([v.new_zeros(batch, heads, dk, dv), eye], dim=-1)
+    out, last = chunk_gated_delta_rule(q, k, widened, g, beta, initial_state=start, chunk_size=chunk_size)
+    return out[..., :dv], out[..., dv:], last[..., :dv], last[..., dv:]
+
+
+def chain_states(ends: torch.Tensor, maps: torch.Tensor) -> torch.Tensor:
+    """The starting state of each of a sequence's pieces, in order along dim 1, from their zero-state
+    last states `ends` (B, P, H, dk, dv) and maps `maps` (B, P, H, dk, dk) (`piece_maps`): the first
+    piece starts from zeros, piece p + 1 from M_p S_p + S0_end_p. Returns (B, P, H, dk, dv)."""
+    state = torch.zeros_like(ends[:, 0])
+    starts = []
+    for p in range(ends.shape[1]):
+        starts.append(state)
+        state = maps[:, p] @ state + ends[:, p]
+    return torch.stack(starts, dim=1)

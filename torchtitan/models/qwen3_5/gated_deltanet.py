@@ -21,6 +21,11 @@ into the previous document are zeroed (a mask from the document ids, one per tap
 each document's first token, which the delta rule takes as a state reset (exact, see delta_rule.py), so
 each document runs as if alone.
 
+Context parallelism: how the layer runs along its sequence (the conv's reach back, the resets, the rule)
+is its `sequence` module's, the whole sequence on this rank (`WholeSequence`); context parallelism swaps
+it for one that runs a rank's pieces of each sequence and chains them with the other ranks'
+(parallelisms/context_parallel_deltanet.py), as it swaps the attention's `sdpa`.
+
 Head counts are read from the projected tensors (b has one column per value head), as in the other
 families' attention, so the module needs no change when a parallelism gives it a share of the heads;
 its per-channel and per-head tensors (the conv's taps, A_log, dt_bias) are read as their local shard.
@@ -100,6 +105,29 @@ class CausalConv1d(nn.Module):
         trunc_normal_(self.weight, std=0.02)
 
 
+class WholeSequence(nn.Module):
+    """Gated DeltaNet along a whole sequence held by this rank (module docstring: context parallelism
+    replaces it); `documents` are the whole sequences' (block_causal) or None."""
+
+    def conv(self, conv1d: CausalConv1d, x: torch.Tensor, documents: Documents | None) -> torch.Tensor:
+        return conv1d(x, documents.ids if documents is not None else None)
+
+    def resets(self, documents: Documents) -> torch.Tensor:
+        """(bs, seqlen) bool: where the state restarts (each document's first token)."""
+        return document_starts(documents.ids)
+
+    def rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        documents: Documents | None,
+    ) -> torch.Tensor:
+        return chunk_gated_delta_rule(q, k, v, g, beta)[0]
+
+
 class GatedRMSNorm(nn.Module):
     """RMSNorm of each head's output (float32), times a plain weight (init ones, not 1 + w), one weight
     shared by every head: transformers' `Qwen3_5RMSNormGated` less its gate, SiLU(z), which the layer
@@ -143,6 +171,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(n_v))
         self.norm = GatedRMSNorm(self.value_dim, eps=args.norm_eps)
         self.out_proj = nn.Linear(value_width, args.dim, bias=False)
+        self.sequence = WholeSequence()
 
     def init_weights(self, init_std: float) -> None:
         """transformers' init (initializer_range 0.02, dt_bias 1, A = U(0.01, 16)), with the residual
@@ -161,11 +190,12 @@ class GatedDeltaNet(nn.Module):
         self, x: torch.Tensor, freqs_cis: torch.Tensor | None = None, documents: Documents | None = None
     ) -> torch.Tensor:
         bs, seqlen = x.shape[:2]
-        ids = documents.ids if documents is not None else None
         b, a = self.in_proj_b(x), self.in_proj_a(x)
         n_v = b.shape[-1]
         n_k = n_v // self.heads_per_key
-        qkv = F.silu(self.conv1d(self.in_proj_qkv(x), ids)).view(bs, seqlen, n_k, -1)
+        qkv = F.silu(self.sequence.conv(self.conv1d, self.in_proj_qkv(x), documents)).view(
+            bs, seqlen, n_k, -1
+        )
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.heads_per_key * self.value_dim], dim=-1)
         q = l2norm(upcast(q)) * self.key_dim**-0.5
         k = l2norm(upcast(k))
@@ -174,9 +204,10 @@ class GatedDeltaNet(nn.Module):
             k = k.repeat_interleave(self.heads_per_key, dim=2)
         beta = upcast(b).sigmoid()
         g = -upcast(local(self.A_log)).exp() * F.softplus(upcast(a) + upcast(local(self.dt_bias)))
-        if ids is not None:
-            g = g.masked_fill(document_starts(ids)[..., None], float("-inf"))
-        out, _ = chunk_gated_delta_rule(q, k, upcast(v).reshape(bs, seqlen, n_v, self.value_dim), g, beta)
+        if documents is not None:
+            g = g.masked_fill(self.sequence.resets(documents)[..., None], float("-inf"))
+        v = upcast(v).reshape(bs, seqlen, n_v, self.value_dim)
+        out = self.sequence.rule(q, k, v, g, beta, documents)
         z = self.in_proj_z(x).view(bs, seqlen, n_v, self.value_dim)
         out = (self.norm(out.type_as(x)) * F.silu(upcast(z))).type_as(x).reshape(bs, seqlen, -1)
         return self.out_proj(out)
