@@ -23,6 +23,8 @@
 | context-parallel step time | a rank's step CPU time on that sequence at CP 2 / CP 1 | (reported) |
 | CP attention work | block_causal: the busiest rank's attention work / the idlest's, CP 4, 8, 128K | <= 1.3 |
 | MLA CP 2 gathered bytes | DeepSeek-V3: per-head K/V bytes all-gathered per layer / latents' | (reported) |
+| Gated DeltaNet per token | Qwen3.5's linear-attention layer: time per token at 8K / at 1K tokens | <= 1.3 |
+| hybrid step time | Qwen3.5's debug model (3 Gated DeltaNet, 1 attention) / all attention, 8K | (reported) |
 | Muon step time | train.py's step time with Muon / with AdamW, 1 process and FSDP 2 | (reported) |
 
 Each part runs in a fresh process (train.py's main() disables GC, compiles, may start process
@@ -75,6 +77,7 @@ from scripts.benchmarks import (  # noqa: E402
     checkpoint,
     context_parallel,
     data,
+    linear_attention,
     memory,
     moe,
     optimizer,
@@ -100,6 +103,7 @@ PARTS: dict[str, Callable[[str], dict]] = {
     "context_parallel": context_parallel.part_context_parallel,
     "mla_gather": context_parallel.part_mla_gather,
     "attention_mask": attention.part_attention_mask,
+    "linear_attention": linear_attention.part_linear_attention,
     "adamw": optimizer.part_adamw,
     "muon": optimizer.part_muon,
 }
@@ -174,6 +178,7 @@ def run_all(threads: int, tmp: str, only: str | None = None) -> dict:
     context_parallel.cp_balance_rows(part, add)
     context_parallel.mla_gather_rows(part, add)
     attention.attention_mask_rows(part, add)
+    linear_attention.linear_attention_rows(part, add)
     optimizer.optimizer_rows(part, add)
     return {"setup": setup, "figures": figures}
 
@@ -185,6 +190,7 @@ ROWS = {
     "mla_gather": context_parallel.mla_gather_rows,
     "moe": moe.moe_rows,
     "attention_mask": attention.attention_mask_rows,
+    "linear_attention": linear_attention.linear_attention_rows,
     "optimizer": optimizer.optimizer_rows,
 }
 

@@ -91,12 +91,18 @@ def chunk_gated_delta_rule(
     w = torch.linalg.solve_triangular(lower, (beta * reached)[..., None] * k, upper=False, unitriangular=True)
     scores = (q @ k.transpose(-1, -2)) * decay  # causal: decay is 0 above the diagonal
     state = initial_state if initial_state is not None else k.new_zeros(batch, heads, dk, dv)
+    # Each chunk's tensors by unbind, not by indexing: the backward of x[:, :, c] fills a zero tensor of
+    # the whole sequence per chunk, which made the scan quadratic in the sequence's length.
+    reads = (q * reached[..., None]).unbind(2)  # what of the chunk's starting state each token reads
+    carried = (k * kept[..., None]).transpose(-1, -2).unbind(2)
+    last_decay = reached[..., -1:, None].unbind(2)
     outputs = []
-    for c in range(chunks):
-        written = u[:, :, c] - w[:, :, c] @ state
-        outputs.append((q[:, :, c] * reached[:, :, c, :, None]) @ state + scores[:, :, c] @ written)
-        carried = k[:, :, c] * kept[:, :, c, :, None]
-        state = reached[:, :, c, -1:, None] * state + carried.transpose(-1, -2) @ written
+    for u_c, w_c, read, scores_c, carried_c, decay_c in zip(
+        u.unbind(2), w.unbind(2), reads, scores.unbind(2), carried, last_decay
+    ):
+        written = u_c - w_c @ state
+        outputs.append(read @ state + scores_c @ written)
+        state = decay_c * state + carried_c @ written
     out = torch.stack(outputs, dim=2).reshape(batch, heads, chunks * chunk_size, dv)
     return out[:, :, :length].transpose(1, 2), state
 
